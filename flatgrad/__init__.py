@@ -1,0 +1,12 @@
+"""flatgrad: one fused pack, one reduce_scatter and one fused unpack per gradient bucket.
+
+Public surface: layouts (``Layout``), the fused kernels (``pack``, ``unpack``)
+and backend discovery (``available_backends``). The reducer and the DeepSpeed
+integration live in their own modules.
+"""
+
+from .kernels import BackendStatus, UnpackStats, available_backends, pack, unpack
+from .layout import Layout, Piece
+
+__all__ = ["Layout", "Piece", "pack", "unpack", "UnpackStats", "available_backends", "BackendStatus"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Adapters that plug flatgrad's reducer into training engines."""

@@ -1,0 +1,126 @@
+"""The ``"flatgrad"`` section of a DeepSpeed config, and the DeepSpeed version gate.
+
+DeepSpeed never sees the section: ``split_config`` returns the config without
+it. Unknown keys are refused, so a typo never silently falls back to stock.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+SECTION = "flatgrad"
+SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in DESIGN.md exist in 0.19.2+
+
+_COMM_DTYPES = ("fp32", "bf16", "fp16")
+_METHODS = ("auto", "tensor", "list")
+
+
+class UnsupportedConfigError(ValueError):
+    """A DeepSpeed config or feature that flatgrad does not handle; names the feature and key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatgradConfig:
+    """Options of the ``"flatgrad"`` section.
+
+    Attributes:
+        enabled: route gradient reduction through flatgrad (False: stock DeepSpeed).
+        backend: force a kernel backend (``cuda``, ``triton``, ``cpu``, ``torch``); None chooses.
+        comm_dtype: dtype of the reduce_scatter buffer (``fp32``, ``bf16``, ``fp16``); None uses
+            what stock DeepSpeed communicates in (the gradients' dtype, or
+            ``communication_data_type``).
+        bucket_numel: ZeRO-1/2 sub-group size in elements; None uses ``reduce_bucket_size``.
+        reduce_scatter: ``auto`` (``reduce_scatter_tensor`` on NCCL, the list form on gloo),
+            ``tensor`` or ``list``.
+    """
+
+    enabled: bool = True
+    backend: str | None = None
+    comm_dtype: str | None = None
+    bucket_numel: int | None = None
+    reduce_scatter: str = "auto"
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> "FlatgradConfig":
+        """Validate a ``"flatgrad"`` section; every error names the key."""
+        section = dict(section or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise UnsupportedConfigError(f"unknown key(s) {unknown} in the '{SECTION}' config section; known: {sorted(known)}")
+        cfg = cls(**section)
+        if not isinstance(cfg.enabled, bool):
+            raise UnsupportedConfigError(f"'{SECTION}.enabled' must be true or false, got {cfg.enabled!r}")
+        if cfg.backend is not None:
+            from ...kernels import BACKENDS
+
+            if cfg.backend not in BACKENDS:
+                raise UnsupportedConfigError(f"'{SECTION}.backend' must be one of {BACKENDS}, got {cfg.backend!r}")
+        if cfg.comm_dtype is not None and cfg.comm_dtype not in _COMM_DTYPES:
+            raise UnsupportedConfigError(f"'{SECTION}.comm_dtype' must be one of {_COMM_DTYPES}, got {cfg.comm_dtype!r}")
+        if cfg.bucket_numel is not None and (
+            isinstance(cfg.bucket_numel, bool) or not isinstance(cfg.bucket_numel, int) or cfg.bucket_numel < 1
+        ):
+            raise UnsupportedConfigError(f"'{SECTION}.bucket_numel' must be a positive int, got {cfg.bucket_numel!r}")
+        if cfg.reduce_scatter not in _METHODS:
+            raise UnsupportedConfigError(
+                f"'{SECTION}.reduce_scatter' must be one of {_METHODS}, got {cfg.reduce_scatter!r}"
+            )
+        return cfg
+
+    def torch_comm_dtype(self):
+        """``comm_dtype`` as a torch dtype, or None."""
+        import torch
+
+        return {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.comm_dtype]
+
+
+def load_config(config: str | os.PathLike | Mapping[str, Any] | None) -> dict:
+    """A DeepSpeed config (dict or JSON path) as a fresh dict."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    raise UnsupportedConfigError(f"config must be a dict or a JSON path, got {type(config).__name__}")
+
+
+def split_config(config: str | os.PathLike | Mapping[str, Any] | None) -> tuple[dict, FlatgradConfig]:
+    """``(deepspeed_config_without_flatgrad_section, FlatgradConfig)``."""
+    ds_config = load_config(config)
+    section = ds_config.pop(SECTION, None)
+    if section is not None and not isinstance(section, Mapping):
+        raise UnsupportedConfigError(f"the '{SECTION}' config section must be a dict, got {type(section).__name__}")
+    return ds_config, FlatgradConfig.from_dict(section)
+
+
+def deepspeed_version() -> tuple[int, int, int]:
+    """The installed DeepSpeed version as a tuple (raises if DeepSpeed is missing)."""
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError("flatgrad.deepspeed needs DeepSpeed: pip install deepspeed==0.19.8") from exc
+    parts = []
+    for token in deepspeed.__version__.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in token if ch.isdigit())
+        parts.append(int(digits or 0))
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)  # type: ignore[return-value]
+
+
+def check_deepspeed_version() -> None:
+    """Refuse DeepSpeed versions whose seams flatgrad has not been checked against."""
+    version = deepspeed_version()
+    low, high = SUPPORTED_DEEPSPEED
+    if not low <= version < high:
+        raise UnsupportedConfigError(
+            f"flatgrad.deepspeed supports DeepSpeed >= {'.'.join(map(str, low))} and < {'.'.join(map(str, high))}; "
+            f"found {'.'.join(map(str, version))}. The seams it replaces (see DESIGN.md) are version-specific."
+        )

@@ -1,0 +1,81 @@
+"""The ``cpu`` and ``cuda`` backends: thin wrappers over the compiled ``torch.ops.flatgrad`` ops.
+
+The ops are declared once in ``csrc/flatgrad.cpp`` (``TORCH_LIBRARY(flatgrad, m)``)
+with a CPU implementation there and a CUDA one in ``csrc/cuda/``:
+
+* ``flatgrad::pack(Tensor[] tensors, Tensor runs, Tensor(a!) out, float scale) -> ()``
+* ``flatgrad::unpack(Tensor shard, Tensor runs, Tensor(a!)[] outs, float scale,
+  bool accumulate, bool stats) -> Tensor`` (``[sum_sq, nonfinite_count]`` fp32 when
+  ``stats``, else an empty tensor)
+
+``runs`` is a layout's run table on the op's device (see [Note: run tables]).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..layout import Layout
+from . import _tables
+
+# Longest run handed to one unit of parallel work. The CPU kernel balances work
+# by element ranges itself and needs no split; a CUDA block copies one run.
+_MAX_LEN = {"cpu": None, "cuda": 8192}
+
+
+def _load() -> str:
+    """Import the extension; returns an empty string or why it is missing."""
+    try:
+        from .. import _C  # noqa: F401  (registers torch.ops.flatgrad)
+    except ImportError as exc:
+        return f"the compiled extension flatgrad._C is not built ({exc}); reinstall with `pip install --no-build-isolation .`"
+    return ""
+
+
+def _has_kernel(op: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"flatgrad::{op}", key)
+
+
+def devices(name: str) -> tuple[list[str], str]:
+    """Where backend ``name`` (``cpu`` or ``cuda``) runs here, or why nowhere."""
+    missing = _load()
+    if missing:
+        return [], missing
+    if name == "cpu":
+        return (["cpu"], "") if _has_kernel("pack", "CPU") else ([], "flatgrad._C has no CPU kernels")
+    if not _has_kernel("pack", "CUDA"):
+        return [], "flatgrad._C was built without CUDA (no nvcc or a CPU-only torch at build time)"
+    if not torch.cuda.is_available():
+        return [], "no CUDA device is visible"
+    return ["cuda"], ""
+
+
+class _CompiledBackend:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.max_len = _MAX_LEN[name]
+
+    def pack(self, tensors: Sequence[torch.Tensor], layout: Layout, out: torch.Tensor, scale: float) -> None:
+        runs = _tables.pack_runs(layout, out.device, self.max_len)
+        torch.ops.flatgrad.pack(list(tensors), runs, out, scale)
+
+    def unpack(
+        self,
+        shard: torch.Tensor,
+        layout: Layout,
+        rank: int,
+        outs: Sequence[torch.Tensor],
+        per_piece: bool,
+        scale: float,
+        accumulate: bool,
+        stats: bool,
+    ) -> torch.Tensor | None:
+        runs = _tables.unpack_runs(layout, rank, per_piece, shard.device, self.max_len)
+        result = torch.ops.flatgrad.unpack(shard, runs, list(outs), scale, accumulate, stats)
+        return result if stats else None
+
+
+def backend(name: str) -> _CompiledBackend:
+    return _CompiledBackend(name)

@@ -1,0 +1,265 @@
+"""Rank-aligned padded flat layouts and the copy-run tables derived from them.
+
+A layout maps a list of tensors (given by their numels) onto one flat buffer of
+``world_size * shard_numel`` elements, where rank ``r`` owns the contiguous
+segment ``[r * shard_numel, (r + 1) * shard_numel)``. Two layouts exist:
+
+* ``flat``: the tensors are concatenated and the whole is zero-padded to a
+  multiple of ``world_size * align``. A tensor may straddle ranks. This is the
+  flat partition DeepSpeed ZeRO-1/2 gives every rank of a param group.
+* ``chunked``: every tensor is split into ``world_size`` chunks of
+  ``ceil(numel / world_size)`` elements (rounded up to ``align``), zero-padded;
+  segment ``r`` is the concatenation of every tensor's chunk ``r``. With
+  ``align=1`` this is ``torch._chunk_cat(..., num_chunks=world_size)`` and
+  DeepSpeed ZeRO-3's per-parameter partitioning.
+
+[Note: run tables]
+Kernels never walk the layout itself. They read static *run tables*, derived
+once per layout and cached (``pack_runs``, ``unpack_runs``), and backends keep
+one device copy of each (see ``flatgrad.kernels._tables``):
+
+* a pack run ``(dst_offset, tensor_index, src_offset, length, valid)`` writes
+  ``buffer[dst_offset : dst_offset + length]``; its first ``valid`` elements
+  come from ``tensors[tensor_index].view(-1)[src_offset:]`` and the rest are
+  zero. ``tensor_index == -1`` marks pure padding (``valid == 0``). The runs of
+  a layout tile the whole buffer exactly once.
+* an unpack run ``(src_offset, out_index, out_offset, length)`` reads
+  ``shard[src_offset : src_offset + length]`` into
+  ``outs[out_index].view(-1)[out_offset:]``.
+
+Runs may be split to at most ``max_len`` elements so that every run is one
+unit of parallel work (a CUDA block, a Triton program, a CPU task).
+
+This module knows nothing of torch.distributed, DeepSpeed or kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import NamedTuple, Sequence
+
+import torch
+
+__all__ = ["Layout", "Piece", "PACK_RUN_FIELDS", "UNPACK_RUN_FIELDS"]
+
+PACK_RUN_FIELDS = ("dst_offset", "tensor_index", "src_offset", "length", "valid")
+UNPACK_RUN_FIELDS = ("src_offset", "out_index", "out_offset", "length")
+
+_KINDS = ("flat", "chunked")
+
+
+class Piece(NamedTuple):
+    """One contiguous piece of a tensor that lies in one rank's shard."""
+
+    tensor_index: int
+    tensor_offset: int
+    shard_offset: int
+    length: int
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A static, rank-aligned layout of ``len(numels)`` tensors over ``world_size`` ranks.
+
+    Attributes:
+        kind: ``"flat"`` or ``"chunked"``.
+        numels: element count of every tensor, in buffer order.
+        world_size: number of ranks (segments) in the buffer.
+        align: alignment in elements (see ``flat`` and ``chunked``).
+        shard_numel: ``S``, the elements every rank owns (padding included).
+        offsets: flat: where each tensor starts in the buffer; chunked: where
+            each tensor's chunk starts inside every segment.
+        chunk_numels: chunked only: each tensor's chunk size (padding included);
+            for flat layouts, empty.
+    """
+
+    kind: str
+    numels: tuple[int, ...]
+    world_size: int
+    align: int
+    shard_numel: int
+    offsets: tuple[int, ...]
+    chunk_numels: tuple[int, ...]
+
+    @staticmethod
+    def _validate(numels: Sequence[int], world_size: int, align: int) -> tuple[tuple[int, ...], int, int]:
+        world_size = _check_int("world_size", world_size, 1)
+        align = _check_int("align", align, 1)
+        if isinstance(numels, (str, bytes)) or not isinstance(numels, Sequence):
+            raise ValueError(f"numels must be a sequence of ints, got {type(numels).__name__}")
+        checked = tuple(_check_int(f"numels[{i}]", n, 0) for i, n in enumerate(numels))
+        return checked, world_size, align
+
+    @classmethod
+    def flat(cls, numels: Sequence[int], world_size: int, align: int = 1) -> "Layout":
+        """Concatenate, then zero-pad the total to a multiple of ``world_size * align``."""
+        numels, world_size, align = cls._validate(numels, world_size, align)
+        offsets, total = [], 0
+        for n in numels:
+            offsets.append(total)
+            total += n
+        padded = _round_up(total, world_size * align)
+        return cls("flat", numels, world_size, align, padded // world_size, tuple(offsets), ())
+
+    @classmethod
+    def chunked(cls, numels: Sequence[int], world_size: int, align: int = 1) -> "Layout":
+        """Split every tensor into ``world_size`` chunks of ``ceil(n / W)`` (rounded up to ``align``)."""
+        numels, world_size, align = cls._validate(numels, world_size, align)
+        chunks = tuple(_round_up(_ceil_div(n, world_size), align) for n in numels)
+        offsets, total = [], 0
+        for c in chunks:
+            offsets.append(total)
+            total += c
+        return cls("chunked", numels, world_size, align, total, tuple(offsets), chunks)
+
+    @classmethod
+    def make(cls, kind: str, numels: Sequence[int], world_size: int, align: int = 1) -> "Layout":
+        """Build a layout by kind name (``"flat"`` or ``"chunked"``)."""
+        if kind not in _KINDS:
+            raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+        return getattr(cls, kind)(numels, world_size, align)
+
+    @property
+    def numel(self) -> int:
+        """Elements in the whole buffer: ``world_size * shard_numel``."""
+        return self.world_size * self.shard_numel
+
+    @property
+    def numel_unpadded(self) -> int:
+        """Elements of real data: the sum of ``numels``."""
+        return sum(self.numels)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.numels)
+
+    def _check_rank(self, rank: int) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ValueError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return rank
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The non-empty pieces of real data in ``rank``'s shard, in shard order."""
+        return list(self._pieces(self._check_rank(rank)))
+
+    @functools.lru_cache(maxsize=4096)
+    def _pieces(self, rank: int) -> tuple[Piece, ...]:
+        out = []
+        if self.kind == "flat":
+            lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+            for i, (start, n) in enumerate(zip(self.offsets, self.numels)):
+                a, b = max(lo, start), min(hi, start + n)
+                if a < b:
+                    out.append(Piece(i, a - start, a - lo, b - a))
+        else:
+            for i, (col, c, n) in enumerate(zip(self.offsets, self.chunk_numels, self.numels)):
+                begin = rank * c
+                length = min(c, n - begin)
+                if length > 0:
+                    out.append(Piece(i, begin, col, length))
+        return tuple(out)
+
+    def owner_ranges(self, tensor_index: int) -> list[tuple[int, int, int]]:
+        """``(rank, tensor_offset, length)`` for every rank holding part of a tensor."""
+        return [
+            (r, p.tensor_offset, p.length)
+            for r in range(self.world_size)
+            for p in self._pieces(r)
+            if p.tensor_index == tensor_index
+        ]
+
+    @functools.lru_cache(maxsize=256)
+    def pack_runs(self, max_len: int | None = None) -> torch.Tensor:
+        """The pack run table, int64 ``[R, 5]`` on CPU. See [Note: run tables]."""
+        if self.kind == "flat":
+            rows = [(o, i, 0, n, n) for i, (o, n) in enumerate(zip(self.offsets, self.numels)) if n > 0]
+            total = self.numel_unpadded
+            if self.numel > total:
+                rows.append((total, -1, 0, self.numel - total, 0))
+            table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5)
+        else:
+            w = self.world_size
+            n = torch.tensor(self.numels, dtype=torch.int64)
+            c = torch.tensor(self.chunk_numels, dtype=torch.int64)
+            col = torch.tensor(self.offsets, dtype=torch.int64)
+            r = torch.arange(w, dtype=torch.int64).unsqueeze(1)  # [W, 1] against [T]
+            src = r * c
+            table = torch.stack(
+                [
+                    r * self.shard_numel + col,
+                    torch.arange(len(self.numels), dtype=torch.int64).expand(w, -1),
+                    src,
+                    c.expand(w, -1),
+                    (n - src).clamp(min=0).minimum(c),
+                ],
+                dim=-1,
+            ).reshape(-1, 5)
+            table = table[table[:, 3] > 0]
+            padding = table[:, 4] == 0  # all-padding chunks read nothing
+            table[padding, 1] = -1
+            table[padding, 2] = 0
+        return _split_runs(table, max_len, length_col=3, valid_col=4, offset_cols=(0, 2))
+
+    def unpack_runs(self, rank: int, max_len: int | None = None, *, per_piece: bool = True) -> torch.Tensor:
+        """The unpack run table of ``rank``, int64 ``[R, 4]`` on CPU. See [Note: run tables].
+
+        ``per_piece=True`` targets one output tensor per ``pieces(rank)`` entry;
+        ``per_piece=False`` targets one 1-D output of ``shard_numel`` elements.
+        """
+        return self._unpack_runs(self._check_rank(rank), max_len, per_piece)
+
+    @functools.lru_cache(maxsize=1024)
+    def _unpack_runs(self, rank: int, max_len: int | None, per_piece: bool) -> torch.Tensor:
+        if per_piece:
+            rows = [(p.shard_offset, k, 0, p.length) for k, p in enumerate(self._pieces(rank))]
+        else:
+            rows = [(0, 0, 0, self.shard_numel)] if self.shard_numel else []
+        table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+        return _split_runs(table, max_len, length_col=3, valid_col=None, offset_cols=(0, 2))
+
+    def digest(self) -> str:
+        """A short hash of everything that defines the layout, for cross-rank agreement."""
+        text = f"{self.kind}|{self.world_size}|{self.align}|{','.join(map(str, self.numels))}"
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _split_runs(
+    table: torch.Tensor, max_len: int | None, *, length_col: int, valid_col: int | None, offset_cols: tuple[int, ...]
+) -> torch.Tensor:
+    """Split every run longer than ``max_len`` into consecutive runs of at most ``max_len``."""
+    if max_len is None or table.shape[0] == 0:
+        return table.contiguous()
+    max_len = _check_int("max_len", max_len, 1)
+    length = table[:, length_col]
+    count = (length + max_len - 1) // max_len
+    row = torch.repeat_interleave(torch.arange(table.shape[0]), count)
+    # Position of each split run inside its parent run.
+    first = torch.cumsum(count, 0) - count
+    start = (torch.arange(row.numel()) - first[row]) * max_len
+    out = table[row].clone()
+    for col in offset_cols:
+        out[:, col] += start
+    out[:, length_col] = (length[row] - start).clamp(max=max_len)
+    if valid_col is not None:
+        out[:, valid_col] = (table[row, valid_col] - start).clamp(min=0, max=max_len).minimum(out[:, length_col])
+    return out.contiguous()
