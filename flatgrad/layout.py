@@ -99,6 +99,13 @@ class Layout:
     offsets: tuple[int, ...]
     chunk_numels: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        # Tables are cached per layout on every call; hash the (possibly long) numels once.
+        object.__setattr__(self, "_hash", hash((self.kind, self.numels, self.world_size, self.align)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
     @staticmethod
     def _validate(numels: Sequence[int], world_size: int, align: int) -> tuple[tuple[int, ...], int, int]:
         world_size = _check_int("world_size", world_size, 1)
