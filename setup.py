@@ -35,9 +35,12 @@ def _extensions():
     if not cpp:
         return []
     include = [os.path.join(ROOT, "csrc", "include")]
-    cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
+    # No -std=: torch's build helpers add the one its headers need (C++20 for torch 2.13 and 2.14).
+    # No FMA contraction (bitwise parity with the reference); FP exception flags are
+    # never read, so -fno-trapping-math lets gcc vectorise the branch-free casts.
+    cxx = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
     if _want_cuda():
-        nvcc = ["-O3", "-std=c++17", "--fmad=false", "-lineinfo"]
+        nvcc = ["-O3", "--fmad=false", "-lineinfo"]
         return [
             CUDAExtension(
                 "flatgrad._C",

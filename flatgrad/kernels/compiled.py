@@ -13,6 +13,7 @@ with a CPU implementation there and a CUDA one in ``csrc/cuda/``:
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -25,12 +26,37 @@ from . import _tables
 _MAX_LEN = {"cpu": None, "cuda": 8192}
 
 
+def _register_fakes() -> None:
+    """Shape-only implementations of the ops, so that they trace under ``torch.compile``.
+
+    ``csrc/flatgrad.cpp`` names this module as the home of its fake
+    implementations (``set_python_module``).
+    """
+
+    @torch.library.register_fake("flatgrad::pack")
+    def _pack_fake(tensors: list[torch.Tensor], runs: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        return None
+
+    @torch.library.register_fake("flatgrad::unpack")
+    def _unpack_fake(
+        shard: torch.Tensor,
+        runs: torch.Tensor,
+        outs: list[torch.Tensor],
+        scale: float,
+        accumulate: bool,
+        stats: bool,
+    ) -> torch.Tensor:
+        return shard.new_empty((2,) if stats else (0,), dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
 def _load() -> str:
-    """Import the extension; returns an empty string or why it is missing."""
+    """Import the extension (once); returns an empty string or why it is missing."""
     try:
         from .. import _C  # noqa: F401  (registers torch.ops.flatgrad)
     except ImportError as exc:
         return f"the compiled extension flatgrad._C is not built ({exc}); reinstall with `pip install --no-build-isolation .`"
+    _register_fakes()
     return ""
 
 
@@ -79,3 +105,8 @@ class _CompiledBackend:
 
 def backend(name: str) -> _CompiledBackend:
     return _CompiledBackend(name)
+
+
+# Importing this module (the one csrc/flatgrad.cpp names) registers the fake
+# implementations, so ``import flatgrad.kernels.compiled`` is enough for tracing.
+_load()
