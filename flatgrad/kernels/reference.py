@@ -11,6 +11,8 @@ slicing, ``to`` and ``add_``, so it can be trusted by reading.
   to the destination dtype.
 * Accumulation computes ``float32(out) + float32(value)`` (value scaled as
   above, never fused into an FMA) and casts the sum to ``out``'s dtype once.
+* NaN stays NaN, but its payload bits are not part of the contract: torch's
+  own vectorised and scalar casts already disagree on them.
 * Stats are the fp32 sum of squares and the count of non-finite elements of
   the values as written to ``out``; the sum's order is backend-specific, so it
   matches the reference to rounding, not bitwise.
