@@ -1,0 +1,207 @@
+"""One reduce_scatter per bucket over ``torch.distributed``: method choice, averaging, async handles.
+
+Module-level functions; the process group is always passed in explicitly (``None``
+means the default group). Streams are the caller's: a collective is issued on the
+current stream, and the caller waits on its ``Work`` where it needs the result.
+
+[Note: reduce_scatter method]
+Two spellings of one reduce_scatter exist in ``torch.distributed``:
+
+* ``"tensor"``: ``reduce_scatter_single`` (named ``reduce_scatter_tensor`` before
+  torch 2.13) over the flat ``W * S`` input. NCCL implements it natively and in one
+  kernel, so it is the choice on NCCL and on every backend other than gloo.
+* ``"list"``: ``reduce_scatter(output, list(input.chunk(W)))``. On gloo the tensor
+  form is emulated by an all_reduce of the whole input plus a chunk copy
+  (pytorch#118911), while the list form is gloo's own reduce_scatter. Measured on
+  CPU, 8M fp32 elements, time as a multiple of one ``all_reduce`` of the same buffer:
+
+  =================================  =======  =======
+  call                               2 ranks  4 ranks
+  =================================  =======  =======
+  tensor form (all_reduce + chunk)   1.93x    1.65x
+  list form (gloo reduce_scatter)    1.44x    1.19x
+  =================================  =======  =======
+
+  so ``"auto"`` picks the list form on gloo. Both forms are one collective call.
+  ``python bench/reducer_step.py`` re-measures both against ``all_reduce`` on one
+  bucket (its last table); on a loaded 2-core machine the figures scatter widely
+  from run to run. On gloo both forms also copy on the calling thread when issued
+  (about 4 ms per 8M fp32 elements, measured here), while an async ``all_reduce``
+  returns at once.
+
+[Note: averaging]
+``ReduceOp.AVG`` is used where the backend has it for the dtype (NCCL >= 2.10;
+gloo since torch 2.8, pytorch#149781, as a sum then a division), for fp32 and bf16
+only. Otherwise the ``1/W`` is folded into the scales the fused kernels apply
+anyway, so averaging never costs a pass of its own:
+
+* fp32 / bf16: a post-scale of ``1/W`` in the fp32 unpack (less data than the
+  packed buffer, and one rounding, in fp32).
+* fp16: a pre-scale of ``1/p`` with ``p`` the power of two nearest ``sqrt(W)``
+  (exact in fp16) keeps the sum in range, and a post-scale of ``p/W`` in the
+  fp32 unpack does the rest.
+* world size 1: nothing (NCCL's AVG is not trusted there, and there is nothing to divide).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Averaging",
+    "METHODS",
+    "averaging",
+    "avg_supported",
+    "backend_name",
+    "reduce_scatter",
+    "resolve_method",
+]
+
+METHODS = ("auto", "tensor", "list")
+
+# Torch release that gave gloo ReduceOp.AVG (pytorch#149781, in 2.8.0).
+_GLOO_AVG_SINCE = (2, 8)
+# NCCL release that introduced ncclAvg.
+_NCCL_AVG_SINCE = (2, 10)
+
+
+class Averaging(NamedTuple):
+    """How a reduction averages over ``world_size`` ranks. See [Note: averaging].
+
+    Attributes:
+        op: the reduce op of the collective (``SUM`` or ``AVG``).
+        prescale: multiplier applied when packing, before the collective.
+        postscale: multiplier applied when unpacking, after the collective.
+    """
+
+    op: dist.ReduceOp.RedOpType
+    prescale: float
+    postscale: float
+
+
+def backend_name(group: dist.ProcessGroup | None, device: torch.device | None = None) -> str:
+    """The backend that serves ``device``'s tensors on ``group`` (e.g. ``"gloo"``, ``"nccl"``).
+
+    ``dist.get_backend`` answers ``"cpu:gloo,cuda:nccl"`` for a group with one
+    backend per device type; ``device`` picks one of them (CUDA if not given).
+    """
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    per_device = dict(part.split(":", 1) for part in name.split(","))
+    kind = device.type if device is not None else "cuda"
+    return per_device.get(kind, next(iter(per_device.values())))
+
+
+def resolve_method(method: str, group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """``"tensor"`` or ``"list"`` for ``method`` on ``group`` and ``device``. See [Note: reduce_scatter method]."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "auto":
+        return method
+    return "list" if backend_name(group, device) == "gloo" else "tensor"
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def _nccl_version() -> tuple[int, ...]:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # a CPU-only build has no NCCL
+        return (0,)
+    return tuple(version) if isinstance(version, tuple) else (version // 1000, version % 1000 // 100)
+
+
+def avg_supported(
+    group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device | None = None
+) -> bool:
+    """Whether ``group``'s backend implements ``ReduceOp.AVG`` for ``dtype`` tensors on ``device``."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    name = backend_name(group, device)
+    if name == "nccl":
+        return _nccl_version() >= _NCCL_AVG_SINCE
+    if name == "gloo":
+        return _torch_version() >= _GLOO_AVG_SINCE
+    return False
+
+
+def _nearest_pow2_sqrt(world_size: int) -> int:
+    return 2 ** round(math.log2(world_size) / 2)
+
+
+def averaging(
+    world_size: int,
+    dtype: torch.dtype,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> Averaging:
+    """The op and the pack/unpack scales that average a reduction of ``dtype`` over ``world_size`` ranks.
+
+    See [Note: averaging]. ``group`` and ``device`` say which backend runs the
+    collective (``avg_supported``).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if world_size == 1:
+        return Averaging(dist.ReduceOp.SUM, 1.0, 1.0)
+    if dtype == torch.float16:
+        pre = _nearest_pow2_sqrt(world_size)
+        return Averaging(dist.ReduceOp.SUM, 1.0 / pre, pre / world_size)
+    if dtype in (torch.float32, torch.bfloat16) and avg_supported(group, dtype, device):
+        return Averaging(dist.ReduceOp.AVG, 1.0, 1.0)
+    return Averaging(dist.ReduceOp.SUM, 1.0, 1.0 / world_size)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False,
+    method: str = "auto",
+    input_chunks: Sequence[torch.Tensor] | None = None,
+) -> dist.Work | None:
+    """Reduce the ``W * S``-element ``input`` over ``group`` and leave this rank's ``S`` elements in ``output``.
+
+    One collective call (see [Note: reduce_scatter method] for ``method``). With
+    ``async_op`` returns the ``Work`` to wait on. ``input_chunks`` may hold the
+    ``W`` views ``input.chunk(W)`` made once by the caller, so that the list form
+    builds nothing per call. World size 1: a copy (none when ``output`` is
+    ``input``), no collective, and ``None`` is returned.
+    """
+    world_size = dist.get_world_size(group)
+    if input.dim() != 1 or output.dim() != 1:
+        raise ValueError(f"input and output must be 1-D, got {tuple(input.shape)} and {tuple(output.shape)}")
+    if input.numel() != world_size * output.numel():
+        raise ValueError(
+            f"input has {input.numel()} elements, expected world_size * output.numel() = "
+            f"{world_size} * {output.numel()}"
+        )
+    if input.dtype != output.dtype:
+        raise ValueError(f"input is {input.dtype} but output is {output.dtype}")
+    if world_size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return None
+    method = resolve_method(method, group, input.device)
+    if method == "tensor":
+        single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return single(output, input, op=op, group=group, async_op=async_op)
+    if input_chunks is None:
+        input_chunks = list(input.chunk(world_size))
+    elif len(input_chunks) != world_size:
+        raise ValueError(f"input_chunks has {len(input_chunks)} tensors, expected {world_size}")
+    elif not isinstance(input_chunks, list):
+        input_chunks = list(input_chunks)
+    return dist.reduce_scatter(output, input_chunks, op=op, group=group, async_op=async_op)

@@ -1,0 +1,602 @@
+"""BucketReducer: per bucket, one fused pack, one async reduce_scatter, one fused unpack into an fp32 shard.
+
+Engine-agnostic: plain PyTorch uses it directly (``build_buckets`` + hooks), the
+DeepSpeed integration drives it from its own hooks (``register_hooks=False``).
+
+[Note: bucket lifecycle]
+A bucket is a list of parameters whose gradients become ready together in
+backward. At construction every bucket gets a static ``Layout`` over its params'
+numels (bucket order = layout order), a persistent comm buffer of
+``layout.numel`` elements (``input``), this rank's ``S``-element reduce_scatter
+``output``, and a persistent fp32 grad ``shard`` of ``S`` elements. Per micro-step:
+
+1. ``mark_ready(param)`` (the post-accumulate-grad hook) counts the bucket down;
+2. when it reaches zero, and every earlier bucket has been launched (see
+   [Note: launch order]), one fused ``pack`` fills ``input`` (cast to the comm
+   dtype, pre-scale, zero padding), ``param.grad`` is dropped, and one async
+   ``reduce_scatter`` starts;
+3. one fused ``unpack`` casts ``output`` to fp32, post-scales it, and copies it
+   into ``shard`` on the first micro-step of an accumulation window or adds it
+   afterwards;
+4. ``finish()`` launches what is left (a param without a gradient counts as
+   zeros), waits for everything, and the shards are final for this micro-step.
+
+Nothing on this path syncs the host or rebuilds a table, and nothing allocates
+device memory: buffers, run tables, views and scales are made once here. Two
+exceptions, both off the common path: the zeros that stand in for missing
+gradients are made the first time a param goes without one, and a
+non-contiguous gradient is copied to a contiguous one before packing.
+
+[Note: launch order]
+Collectives are matched across ranks by the order they are issued in, not by
+name. Buckets are therefore launched strictly in bucket order: a bucket whose
+gradients are all ready waits until every earlier bucket has been launched
+(as DDP's reducer does). Ranks whose backward orders differ (data-dependent
+control flow, a param unused on one rank only) still issue the same sequence
+of collectives; they only overlap less.
+
+[Note: streams]
+On CUDA three streams take part, each for one reason:
+
+* the current stream (autograd's, as seen in the hook) produces ``param.grad``
+  and, after ``finish()``, consumes the shards (the optimizer);
+* ``pack_stream`` packs bucket ``k`` while the current stream computes the
+  gradients of bucket ``k + 1``. It waits on the current stream first (the
+  gradients must be complete); each gradient is ``record_stream``-ed on it
+  before ``param.grad`` drops the last reference, so the caching allocator
+  does not hand the memory out while the pack still reads it. The collective
+  is issued from this stream, so NCCL orders it after the pack;
+* ``unpack_stream`` waits on the collective (``work.wait()`` under it, which
+  blocks no host thread on NCCL) and unpacks into the shard. It is separate
+  from ``pack_stream`` so that the pack of bucket ``k + 1`` does not queue
+  behind the collective of bucket ``k``.
+
+``finish()`` makes the current stream wait on ``unpack_stream``. The next
+micro-step's pack waits on the current stream, hence on every earlier unpack,
+so the persistent ``input``/``output``/``shard`` buffers are never written
+while a previous reader may still be running. On CPU (gloo) the collective
+runs on gloo's threads; the pack runs in the hook, and the unpack of a bucket
+runs as soon as its collective is found complete at a later launch, or in
+``finish()``.
+
+[Note: layout agreement]
+A wrong layout on one rank would reduce mismatched elements or hang. At
+construction the ranks all_gather a fixed-size digest of (world size, bucket
+count, per bucket: layout kind, alignment, comm dtype, op, and every param's
+shape and dtype), plus a flag for a local setup error. If all agree, that is the
+only collective. Otherwise they all_gather the full descriptions and every rank
+raises the same ``LayoutMismatchError`` naming the first differing bucket and
+parameter; a rank whose own setup failed raises its error and the others name
+it. Every rank takes the same branch, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections import deque
+from typing import Any, Iterable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .kernels import DTYPES, resolve_backend
+from .layout import Layout, Piece
+
+__all__ = ["BucketReducer", "GradShard", "LayoutMismatchError", "build_buckets"]
+
+_LAYOUT_KINDS = ("flat", "chunked")
+
+
+class GradShard(NamedTuple):
+    """One bucket's fp32 gradient shard on this rank and what it holds.
+
+    Attributes:
+        bucket_id: index of the bucket.
+        shard: fp32 tensor of ``layout.shard_numel`` elements (padding included).
+        layout: the bucket's layout.
+        params: the bucket's params, in layout order.
+        pieces: ``layout.pieces(rank)``: which slice of which param lies where in ``shard``.
+    """
+
+    bucket_id: int
+    shard: torch.Tensor
+    layout: Layout
+    params: list[nn.Parameter]
+    pieces: list[Piece]
+
+
+class LayoutMismatchError(RuntimeError):
+    """The ranks of a process group disagree on the buckets. See [Note: layout agreement]."""
+
+
+def _describe_param(p: torch.Tensor) -> str:
+    return f"shape {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
+
+
+def build_buckets(params: Iterable[torch.Tensor] | nn.Module, bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Group the trainable params into buckets of about ``bucket_numel`` elements, in backward order.
+
+    Backward order is taken as reverse registration order. A param of more than
+    ``bucket_numel`` elements gets a bucket of its own, and a bucket never mixes
+    devices or dtypes. Given a module, modules that make sparse gradients
+    (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are refused.
+    """
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be an int >= 1, got {bucket_numel!r}")
+    if isinstance(params, nn.Module):
+        for name, module in params.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+                raise ValueError(f"module {name!r} makes sparse gradients (sparse=True); flatgrad reduces dense ones")
+        params = params.parameters()
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of parameters or a module, not one tensor")
+    seen: set[int] = set()
+    ordered = []
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{i}] is a {type(p).__name__}, not a tensor")
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            ordered.append(p)
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    numel = 0
+    for p in reversed(ordered):
+        starts_new = current and (
+            numel + p.numel() > bucket_numel or p.device != current[0].device or p.dtype != current[0].dtype
+        )
+        if starts_new:
+            buckets.append(current)
+            current, numel = [], 0
+        current.append(p)
+        numel += p.numel()
+        if numel >= bucket_numel:
+            buckets.append(current)
+            current, numel = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class _Bucket:
+    """One bucket's static plan, persistent buffers and per-micro-step state. See [Note: bucket lifecycle]."""
+
+    __slots__ = (
+        "id", "params", "layout", "device", "comm_dtype", "op", "method", "kernels", "pack_scale",
+        "unpack_scale", "input", "input_chunks", "output", "shard", "pieces",
+        "pack_stream", "unpack_stream", "ready", "not_ready", "pending", "launched", "work",
+    )  # fmt: skip
+
+    def reset(self) -> None:
+        self.ready[:] = self.not_ready
+        self.pending = len(self.params)
+        self.launched = False
+        self.work = None
+
+
+class BucketReducer:
+    """Reduce-scatters gradients bucket by bucket into persistent fp32 shards. See [Note: bucket lifecycle].
+
+    Args:
+        buckets: lists of params, in the order their gradients become ready
+            (``build_buckets`` makes them). Each list is one bucket; the params
+            must require grad, be dense and share one device.
+        process_group: the data-parallel group (``None``: the default group).
+        comm_dtype: dtype of the packed buffer and the collective (``None``:
+            each bucket's param dtype, which must then be uniform).
+        layout: ``"flat"`` or ``"chunked"`` (see ``flatgrad.Layout``).
+        align: layout alignment in elements.
+        average: divide the sum by the world size (see [Note: averaging] in
+            ``flatgrad.comm``); ``False`` sums.
+        prescale: extra multiplier applied in pack.
+        postscale: extra multiplier applied in unpack.
+        backend: flatgrad kernel backend (``None``: automatic per device).
+        register_hooks: register a post-accumulate-grad hook on every param
+            that calls ``mark_ready``; ``False`` when the caller has its own hooks.
+        method: reduce_scatter method (see [Note: reduce_scatter method] in ``flatgrad.comm``).
+
+    Attributes:
+        buckets: the buckets, as lists of params in layout order.
+        layouts: one ``Layout`` per bucket.
+        rank: this rank in ``process_group``.
+        world_size: size of ``process_group``.
+        kernel_backends: the flatgrad kernel backend each bucket packs and unpacks with.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[Sequence[nn.Parameter]],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        comm_dtype: torch.dtype | None = None,
+        layout: str = "flat",
+        align: int = 1,
+        average: bool = True,
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+        backend: str | None = None,
+        register_hooks: bool = True,
+        method: str = "auto",
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "BucketReducer needs an initialized process group: call torch.distributed.init_process_group first"
+            )
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of process_group")
+        local_error: Exception | None = None
+        description: list[tuple] = []
+        try:
+            plans = self._plan(buckets, comm_dtype, layout, align, average, prescale, postscale, backend, method)
+            description = [plan["description"] for plan in plans]
+        except Exception as exc:  # exchanged below so that every rank raises, then re-raised
+            local_error = exc
+        if self.world_size > 1:
+            device = _agreement_device(process_group)
+            _agree(process_group, self.rank, self.world_size, description, local_error, device)
+        if local_error is not None:
+            raise local_error
+        self._buckets = [self._allocate(i, plan) for i, plan in enumerate(plans)]
+        self.buckets: list[list[nn.Parameter]] = [list(b.params) for b in self._buckets]
+        self.layouts: list[Layout] = [b.layout for b in self._buckets]
+        self.kernel_backends: list[str] = [getattr(b.kernels, "name", type(b.kernels).__name__) for b in self._buckets]
+        self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._shards = [
+            GradShard(b.id, b.shard, b.layout, list(b.params), list(b.pieces)) for b in self._buckets
+        ]
+        self._next = 0  # the first bucket not launched yet this micro-step; see [Note: launch order]
+        self._in_step = False  # some bucket was marked or launched since the last finish()
+        self._accumulate = False  # unpack adds (True) or copies (False); see zero_grad()
+        self._inflight: deque[_Bucket] = deque()  # CPU: launched buckets not unpacked yet
+        self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # stands in for missing grads
+        self._lock = threading.Lock()  # hooks of several devices run on their own autograd threads
+        self._hooks: list[Any] = []
+        if register_hooks:
+            for b in self._buckets:
+                for p in b.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self.mark_ready))
+
+    # ------------------------------------------------------------------ setup
+
+    def _plan(self, buckets, comm_dtype, kind, align, average, prescale, postscale, backend, method) -> list[dict]:
+        """Validate the arguments and describe every bucket; allocates nothing."""
+        if isinstance(buckets, torch.Tensor) or not isinstance(buckets, Sequence) or not buckets:
+            raise TypeError("buckets must be a non-empty list of lists of parameters")
+        if kind not in _LAYOUT_KINDS:
+            raise ValueError(f"layout must be one of {_LAYOUT_KINDS}, got {kind!r}")
+        if comm_dtype is not None and comm_dtype not in DTYPES:
+            raise ValueError(f"comm_dtype must be one of fp32, bf16, fp16, got {comm_dtype}")
+        for name, value in (("prescale", prescale), ("postscale", postscale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+        seen: dict[int, tuple[int, int]] = {}
+        plans = []
+        for b, params in enumerate(buckets):
+            if isinstance(params, torch.Tensor) or not isinstance(params, Sequence) or not params:
+                raise TypeError(f"buckets[{b}] must be a non-empty list of parameters")
+            for i, p in enumerate(params):
+                where = f"buckets[{b}][{i}] ({_describe_param(p) if isinstance(p, torch.Tensor) else type(p).__name__})"
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"{where} is not a tensor")
+                if p.layout != torch.strided or (p.grad is not None and p.grad.layout != torch.strided):
+                    raise ValueError(f"{where} is sparse; flatgrad reduces dense gradients only")
+                if not p.requires_grad:
+                    raise ValueError(f"{where} does not require grad; leave it out of the buckets")
+                if p.dtype not in DTYPES:
+                    raise ValueError(f"{where} has dtype {p.dtype}; supported: fp32, bf16, fp16")
+                if p.device != params[0].device:
+                    raise ValueError(
+                        f"{where} is on {p.device} but buckets[{b}][0] is on {params[0].device}; one device per bucket"
+                    )
+                if id(p) in seen:
+                    raise ValueError(f"{where} is the same param as buckets[{seen[id(p)][0]}][{seen[id(p)][1]}]")
+                seen[id(p)] = (b, i)
+            device = params[0].device
+            dtypes = {p.dtype for p in params}
+            if comm_dtype is None and len(dtypes) > 1:
+                raise ValueError(f"buckets[{b}] mixes dtypes {sorted(map(str, dtypes))}; pass comm_dtype=")
+            dtype = comm_dtype if comm_dtype is not None else params[0].dtype
+            layout = Layout.make(kind, [p.numel() for p in params], self.world_size, align)
+            if average:
+                avg = comm.averaging(self.world_size, dtype, self.process_group, device)
+            else:
+                avg = comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0)
+            resolved = comm.resolve_method(method, self.process_group, device)
+            kernels = resolve_backend(backend, device)
+            description = (
+                kind, align, str(dtype), str(avg.op), resolved,
+                tuple((tuple(p.shape), str(p.dtype)) for p in params),
+            )  # fmt: skip
+            plans.append(
+                dict(
+                    params=tuple(params), layout=layout, device=device, dtype=dtype, avg=avg, method=resolved,
+                    kernels=kernels, pack_scale=avg.prescale * float(prescale),
+                    unpack_scale=avg.postscale * float(postscale), description=description,
+                )
+            )  # fmt: skip
+        return plans
+
+    def _allocate(self, bucket_id: int, plan: dict) -> _Bucket:
+        """Make a bucket's persistent buffers, views and streams (once)."""
+        b = _Bucket()
+        b.id = bucket_id
+        b.params = plan["params"]
+        b.layout = plan["layout"]
+        b.device = plan["device"]
+        b.comm_dtype = plan["dtype"]
+        b.op = plan["avg"].op
+        b.method = plan["method"]
+        b.kernels = plan["kernels"]
+        b.pack_scale = plan["pack_scale"]
+        b.unpack_scale = plan["unpack_scale"]
+        layout: Layout = b.layout
+        b.input = torch.empty(layout.numel, dtype=b.comm_dtype, device=b.device)
+        b.input_chunks = list(b.input.chunk(self.world_size)) if self.world_size > 1 else [b.input]
+        # World size 1: the reduction is the identity, so unpack reads the packed buffer itself.
+        if self.world_size == 1:
+            b.output = b.input
+        else:
+            b.output = torch.empty(layout.shard_numel, dtype=b.comm_dtype, device=b.device)
+        b.shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=b.device)
+        b.pieces = tuple(layout.pieces(self.rank))
+        b.pack_stream = b.unpack_stream = None
+        if b.device.type == "cuda":
+            b.pack_stream, b.unpack_stream = _side_streams(b.device)
+        b.not_ready = [False] * len(b.params)
+        b.ready = list(b.not_ready)
+        b.reset()
+        return b
+
+    # ------------------------------------------------------------------ hot path
+
+    def mark_ready(self, param: nn.Parameter) -> None:
+        """Record that ``param.grad`` is final for this micro-step; launch every bucket that can go.
+
+        Called by the post-accumulate-grad hook, or by an integration's own hook.
+        """
+        where = self._where.get(param)
+        if where is None:
+            raise KeyError(f"param ({_describe_param(param)}) is not in any bucket of this reducer")
+        bucket, i = where
+        with self._lock:
+            if bucket.ready[i] or bucket.launched:
+                raise RuntimeError(
+                    f"bucket {bucket.id} param {i} ({_describe_param(param)}) became ready twice in one micro-step: "
+                    "call finish() after every backward, and run one backward per micro-step"
+                )
+            grad = param.grad
+            if grad is not None and grad.layout != torch.strided:
+                raise ValueError(
+                    f"bucket {bucket.id} param {i} ({_describe_param(param)}) got a sparse gradient; "
+                    "flatgrad reduces dense gradients only"
+                )
+            bucket.ready[i] = True
+            bucket.pending -= 1
+            self._in_step = True
+            buckets = self._buckets
+            while self._next < len(buckets) and buckets[self._next].pending == 0:
+                self._launch(buckets[self._next])
+                self._next += 1
+
+    def _grads(self, b: _Bucket) -> list[torch.Tensor]:
+        """The bucket's gradients as pack inputs: missing ones read as zeros, odd ones are checked."""
+        grads = []
+        for i, p in enumerate(b.params):
+            g = p.grad
+            if g is None:
+                g = self._zeros_like(p)
+            elif not (g.dtype == p.dtype and g.device == b.device and g.numel() == p.numel() and g.is_contiguous()):
+                g = _conform(b, i, p, g)
+            grads.append(g)
+        return grads
+
+    def _zeros_like(self, p: torch.Tensor) -> torch.Tensor:
+        """Zeros of ``p``'s numel and dtype: a view of one zero buffer per device and dtype, made on first need.
+
+        Sized to the largest param of that device and dtype, so it is made at most once,
+        and only if some param ever goes without a gradient.
+        """
+        key = (p.device, p.dtype)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            largest = max(q.numel() for b in self._buckets for q in b.params if (q.device, q.dtype) == key)
+            zeros = self._zeros[key] = torch.zeros(largest, dtype=p.dtype, device=p.device)
+        return zeros[: p.numel()]
+
+    def _launch(self, b: _Bucket) -> None:
+        """Pack, drop the grads, start the reduce_scatter (and on CUDA queue the unpack)."""
+        grads = self._grads(b)
+        if b.pack_stream is None:
+            b.kernels.pack(grads, b.layout, b.input, b.pack_scale)
+            b.work = self._reduce_scatter(b)
+            self._inflight.append(b)
+        else:
+            # See [Note: streams].
+            current = torch.cuda.current_stream(b.device)
+            b.pack_stream.wait_stream(current)
+            with torch.cuda.stream(b.pack_stream):
+                b.kernels.pack(grads, b.layout, b.input, b.pack_scale)
+                for p, g in zip(b.params, grads):
+                    if p.grad is not None:
+                        g.record_stream(b.pack_stream)
+                b.work = self._reduce_scatter(b)
+            with torch.cuda.stream(b.unpack_stream):
+                if b.work is not None:
+                    b.work.wait()
+                else:
+                    b.unpack_stream.wait_stream(b.pack_stream)
+                self._unpack(b)
+        for p in b.params:
+            p.grad = None
+        b.launched = True
+        if self._inflight:
+            self._drain(block=False)
+
+    def _reduce_scatter(self, b: _Bucket):
+        try:
+            return comm.reduce_scatter(
+                b.output, b.input, group=self.process_group, op=b.op, async_op=True, method=b.method,
+                input_chunks=b.input_chunks,
+            )  # fmt: skip
+        except Exception as exc:
+            raise RuntimeError(f"flatgrad: reduce_scatter of bucket {b.id} failed on rank {self.rank}: {exc}") from exc
+
+    def _unpack(self, b: _Bucket) -> None:
+        b.kernels.unpack(b.output, b.layout, self.rank, [b.shard], False, b.unpack_scale, self._accumulate, False)
+
+    def _drain(self, block: bool) -> None:
+        """CPU: unpack launched buckets in launch order, waiting for their collectives only if ``block``."""
+        while self._inflight:
+            b = self._inflight[0]
+            if b.work is not None:
+                if not block and not b.work.is_completed():
+                    return
+                try:
+                    b.work.wait()
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"flatgrad: reduce_scatter of bucket {b.id} failed on rank {self.rank} "
+                        f"(world size {self.world_size}): {exc}"
+                    ) from exc
+            self._unpack(b)
+            self._inflight.popleft()
+
+    # ------------------------------------------------------------------ epilogue
+
+    def finish(self) -> None:
+        """Launch the buckets still waiting (missing grads count as zero), wait for all; shards are final."""
+        with self._lock:
+            for b in self._buckets[self._next :]:
+                self._launch(b)
+            self._next = len(self._buckets)
+            self._drain(block=True)
+            streams = {b.unpack_stream for b in self._buckets if b.unpack_stream is not None}
+            for stream in streams:
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
+            for b in self._buckets:
+                b.reset()
+            self._next = 0
+            self._in_step = False
+            self._accumulate = True
+
+    def zero_grad(self) -> None:
+        """Start a new accumulation window: the next micro-step copies into the shards instead of adding."""
+        if self._in_step:
+            raise RuntimeError("zero_grad() in the middle of a micro-step: call finish() first")
+        self._accumulate = False
+
+    def grad_shards(self) -> list[GradShard]:
+        """Every bucket's fp32 shard with its layout, params and pieces (valid after ``finish()``)."""
+        return list(self._shards)
+
+    def remove_hooks(self) -> None:
+        """Remove the post-accumulate-grad hooks this reducer registered."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def _conform(b: _Bucket, i: int, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A gradient the kernels can read (contiguous), or a clear error for one they cannot."""
+    where = f"bucket {b.id} param {i} ({_describe_param(p)})"
+    if g.layout != torch.strided:
+        raise ValueError(f"{where} got a sparse gradient; flatgrad reduces dense gradients only")
+    if g.numel() != p.numel():
+        raise ValueError(f"{where} got a gradient of shape {tuple(g.shape)}")
+    if g.dtype != p.dtype:
+        raise ValueError(f"{where} got a gradient of dtype {g.dtype}")
+    if g.device != b.device:
+        raise ValueError(f"{where} got a gradient on {g.device}, the bucket is on {b.device}")
+    return g.contiguous()
+
+
+_STREAMS: dict[torch.device, tuple[Any, Any]] = {}
+
+
+def _side_streams(device: torch.device) -> tuple[Any, Any]:
+    """The (pack_stream, unpack_stream) pair of ``device``, shared by every bucket there. See [Note: streams]."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _STREAMS:
+        _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _STREAMS[device]
+
+
+def _agreement_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the digest tensor lives: a CUDA device when the group's backend needs one (NCCL), else the CPU."""
+    name = comm.backend_name(group, torch.device("cpu"))
+    if name == "gloo":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _digest(world_size: int, description: list[tuple], failed: bool) -> torch.Tensor:
+    blob = hashlib.sha256(repr((world_size, description)).encode()).digest()
+    return torch.tensor([int(failed), len(description), *struct.unpack("<3q", blob[:24])], dtype=torch.int64)
+
+
+def _agree(
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world_size: int,
+    description: list[tuple],
+    local_error: Exception | None,
+    device: torch.device,
+) -> None:
+    """Check that every rank built the same buckets; raise on every rank if not. See [Note: layout agreement]."""
+    mine = _digest(world_size, description, local_error is not None).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [g.cpu() for g in gathered]
+    if all(not bool(r[0]) and torch.equal(r, rows[0]) for r in rows):
+        return
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, (None if local_error is None else repr(local_error), description), group=group)
+    failed = [(r, err) for r, (err, _) in enumerate(everyone) if err is not None]
+    if failed:
+        if local_error is not None:
+            return  # the caller raises this rank's own error
+        r, err = failed[0]
+        raise LayoutMismatchError(f"flatgrad: rank {r} failed to set up its BucketReducer: {err} (this is rank {rank})")
+    raise LayoutMismatchError(_mismatch_message(rank, [d for _, d in everyone]))
+
+
+def _mismatch_message(rank: int, descriptions: list[list[tuple]]) -> str:
+    """Name the first bucket and param where some rank differs from rank 0."""
+    base = descriptions[0]
+    for other, desc in enumerate(descriptions):
+        if desc == base:
+            continue
+        message = f"flatgrad: ranks disagree on the gradient buckets (this is rank {rank}): "
+        if len(base) != len(desc):
+            message += f"rank 0 has {len(base)} buckets, rank {other} has {len(desc)}; "
+        return message + _first_difference(base, desc, other)
+    return "flatgrad: ranks disagree on the gradient buckets (digests differ, descriptions equal)"
+
+
+def _first_difference(base: list[tuple], desc: list[tuple], other: int) -> str:
+    for b in range(max(len(base), len(desc))):
+        if b >= len(base) or b >= len(desc):
+            return f"bucket {b} exists on rank {0 if b < len(base) else other} only"
+        if base[b] == desc[b]:
+            continue
+        *settings0, params0 = base[b]
+        *settings1, params1 = desc[b]
+        for i in range(min(len(params0), len(params1))):
+            if params0[i] != params1[i]:
+                (s0, d0), (s1, d1) = params0[i], params1[i]
+                return f"bucket {b} param {i} has shape {s0} {d0} on rank 0 but shape {s1} {d1} on rank {other}"
+        if len(params0) != len(params1):
+            return f"bucket {b} has {len(params0)} params on rank 0 and {len(params1)} on rank {other}"
+        names = ("layout", "align", "comm dtype", "reduce op", "reduce_scatter method")
+        for name, v0, v1 in zip(names, settings0, settings1):
+            if v0 != v1:
+                return f"bucket {b} uses {name} {v0} on rank 0 but {v1} on rank {other}"
+    return f"rank 0 and rank {other} differ"

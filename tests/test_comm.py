@@ -1,0 +1,139 @@
+"""flatgrad.comm: the reduce_scatter methods and the averaging rule, on real gloo ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _dist import count_collectives, run_ranks
+from flatgrad import comm
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SHARD = 5
+
+
+def _input(rank: int, world_size: int, dtype: torch.dtype) -> torch.Tensor:
+    # Small integers: every sum and every average over 2 or 4 ranks is exact in fp16 and bf16.
+    return (torch.arange(world_size * SHARD) % 7 - 3 + 2 * rank).to(dtype)
+
+
+def _expected(rank: int, world_size: int, dtype: torch.dtype, average: bool) -> torch.Tensor:
+    total = sum(_input(r, world_size, torch.float32) for r in range(world_size))
+    if average:
+        total = total / world_size
+    return total[rank * SHARD : (rank + 1) * SHARD].to(dtype)
+
+
+def _methods_rank(rank: int, world_size: int) -> dict:
+    """Every method x dtype x op, sync and async; each issues exactly one collective."""
+    out = {}
+    for method in comm.METHODS:
+        for dtype in DTYPES:
+            for op, average in ((dist.ReduceOp.SUM, False), (dist.ReduceOp.AVG, True)):
+                for async_op in (False, True):
+                    inp = _input(rank, world_size, dtype)
+                    output = torch.full((SHARD,), 99.0, dtype=dtype)
+                    with count_collectives() as counted:
+                        work = comm.reduce_scatter(output, inp, op=op, async_op=async_op, method=method)
+                        if async_op and work is not None:
+                            work.wait()
+                    key = (method, str(dtype), str(op), async_op)
+                    expected = _expected(rank, world_size, dtype, average)
+                    out[key] = (output, expected, sum(counted.values()), work is None)
+    # Chunk views made once by the caller give the same result as chunking per call.
+    inp = _input(rank, world_size, torch.float32)
+    output = torch.empty(SHARD)
+    with count_collectives() as counted:
+        work = comm.reduce_scatter(output, inp, method="list", input_chunks=list(inp.chunk(world_size)))
+    expected = _expected(rank, world_size, torch.float32, False)
+    out["input_chunks"] = (output, expected, sum(counted.values()), work is None)
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_reduce_scatter_every_method_dtype_and_op(world_size):
+    for rank, results in enumerate(run_ranks(_methods_rank, world_size, timeout=80)):
+        for key, (got, expected, calls, no_work) in results.items():
+            assert torch.equal(got, expected), f"rank {rank} {key}: got {got}, expected {expected}"
+            if world_size == 1:
+                assert calls == 0 and no_work, f"{key}: world size 1 must be a copy, not a collective"
+            else:
+                assert calls == 1, f"{key}: {calls} collectives"
+                if key != "input_chunks" and key[3]:
+                    assert not no_work, f"{key}: async_op must return a Work"
+
+
+def _resolution_rank(rank: int, world_size: int) -> dict:
+    cpu = torch.device("cpu")
+    out = {
+        "backend": comm.backend_name(None, cpu),
+        "auto": comm.resolve_method("auto", None, cpu),
+        "forced": comm.resolve_method("tensor", None, cpu),
+        "avg fp32": comm.avg_supported(None, torch.float32, cpu),
+        "avg int": comm.avg_supported(None, torch.int64, cpu),
+        "averaging fp32": tuple(comm.averaging(world_size, torch.float32, None, cpu)),
+        "averaging bf16": tuple(comm.averaging(world_size, torch.bfloat16, None, cpu)),
+        "averaging fp16": tuple(comm.averaging(world_size, torch.float16, None, cpu)),
+    }
+    errors = {}
+    for name, call in {
+        "size": lambda: comm.reduce_scatter(torch.empty(3), torch.empty(3 * world_size + 1)),
+        "dtype": lambda: comm.reduce_scatter(torch.empty(3), torch.empty(3 * world_size, dtype=torch.bfloat16)),
+        "2-D": lambda: comm.reduce_scatter(torch.empty(3), torch.empty(world_size, 3)),
+        "method": lambda: comm.reduce_scatter(torch.empty(3), torch.empty(3 * world_size), method="ring"),
+        "chunks": lambda: comm.reduce_scatter(
+            torch.empty(3), torch.empty(3 * world_size), method="list", input_chunks=[torch.empty(3)] * (world_size + 1)
+        ),
+    }.items():
+        try:
+            call()
+        except ValueError as exc:
+            errors[name] = str(exc)
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_method_and_averaging_resolution_on_gloo():
+    (out, _) = run_ranks(_resolution_rank, 2, timeout=50)
+    assert out["backend"] == "gloo"
+    assert out["auto"] == "list"  # see [Note: reduce_scatter method]
+    assert out["forced"] == "tensor"
+    assert out["avg int"] is False
+    gloo_avg = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
+    assert out["avg fp32"] is gloo_avg
+    avg = dist.ReduceOp.AVG
+    if gloo_avg:
+        assert out["averaging fp32"] == (avg, 1.0, 1.0) and out["averaging bf16"] == (avg, 1.0, 1.0)
+    else:
+        assert out["averaging fp32"] == (dist.ReduceOp.SUM, 1.0, 0.5)
+    assert out["averaging fp16"] == (dist.ReduceOp.SUM, 1.0, 0.5)  # sqrt(2) rounds to the power of two 1
+    assert set(out["errors"]) == {"size", "dtype", "2-D", "method", "chunks"}, out["errors"]
+    assert "world_size * output.numel()" in out["errors"]["size"]
+
+
+@given(world_size=st.integers(1, 4096))
+@settings(max_examples=200, deadline=None)
+def test_fp16_averaging_splits_one_over_w(world_size):
+    # fp16 never needs a group: its division is always folded (overflow/underflow risk).
+    op, pre, post = comm.averaging(world_size, torch.float16)
+    assert op == dist.ReduceOp.SUM
+    assert math.isclose(pre * post, 1.0 / world_size, rel_tol=1e-12)
+    if world_size > 1:
+        p = 1.0 / pre
+        assert p == 2 ** round(math.log2(p)), "the pre-divide must be a power of two (exact in fp16)"
+        assert math.sqrt(world_size) / 2 <= p <= 2 * math.sqrt(world_size)
+    else:
+        assert (pre, post) == (1.0, 1.0)
+
+
+def test_averaging_rejects_bad_world_size():
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="world_size"):
+            comm.averaging(bad, torch.float32)

@@ -1,0 +1,404 @@
+"""BucketReducer on real gloo ranks: shards against an all_reduce reference, collective count, safety.
+
+The exact tests use a small net whose weights, inputs and upstream gradients are
+small integers: every gradient, every cross-rank sum and every average over 2
+or 4 ranks is then exactly representable in fp32 and bf16, whatever the
+reduction order, so the shards must equal the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from unittest import mock
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from _dist import EXITED, count_collectives, run_ranks
+from flatgrad import comm
+from flatgrad.reducer import BucketReducer, LayoutMismatchError, build_buckets
+
+BATCH = 2
+
+
+class _IntNet(nn.Module):
+    """Embedding -> Linear -> frozen identity -> (optional branch) -> Linear, plus a param larger than a bucket.
+
+    ``unused`` never takes part in the forward; ``branch`` only on some ranks and
+    steps; ``frozen`` does not require grad.
+    """
+
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, width)
+        self.lin1 = nn.Linear(width, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.branch = nn.Linear(4, 4)
+        self.unused = nn.Linear(3, 2)
+        self.lin2 = nn.Linear(4, 2)
+        self.big = nn.Parameter(torch.zeros(7, 11))
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randint(-1, 2, p.shape, generator=gen))
+            self.frozen.weight.copy_(torch.eye(4))
+            self.frozen.bias.zero_()
+        self.frozen.requires_grad_(False)
+
+    def loss(self, rank: int, step: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        idx = torch.tensor([rank % 6, (rank + 3) % 6])  # distinct rows: embedding grads stay small
+        h = self.frozen(self.lin1(self.emb(idx)))
+        if (rank + step) % 2 == 0:
+            h = h + self.branch(h)
+        dy = torch.randint(-1, 2, (BATCH, 2), generator=gen).to(h.dtype)
+        c = torch.randint(-2, 3, self.big.shape, generator=gen).to(h.dtype)
+        return (self.lin2(h) * dy).sum() + (self.big * c).sum()
+
+
+def _expected_shards(
+    reducer: BucketReducer, twin_of: dict, world_size: int, average: bool, scale: float = 1.0
+) -> list[torch.Tensor]:
+    """The reference: all_reduce of the full gradients (averaged, times ``scale``), sliced to this rank's pieces."""
+    params = [p for bucket in reducer.buckets for p in bucket]
+    grads = [twin_of[p].grad if twin_of[p].grad is not None else torch.zeros_like(twin_of[p]) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat)
+    if average:
+        flat /= world_size
+    flat *= scale
+    full = dict(zip(params, flat.split([p.numel() for p in params])))
+    expected = []
+    for gs in reducer.grad_shards():
+        shard = torch.zeros(gs.layout.shard_numel)
+        for piece in gs.pieces:
+            src = full[gs.params[piece.tensor_index]]
+            shard[piece.shard_offset : piece.shard_offset + piece.length] = src[
+                piece.tensor_offset : piece.tensor_offset + piece.length
+            ]
+        expected.append(shard)
+    return expected
+
+
+def _run_steps(model, twin, reducer, rank, steps, first_step=0):
+    for step in range(first_step, first_step + steps):
+        model.loss(rank, step).backward()
+        reducer.finish()
+        twin.loss(rank, step).backward()
+
+
+_EXACT_CONFIGS = [
+    dict(comm_dtype=torch.float32, average=True, layout="flat", align=1),
+    dict(comm_dtype=torch.bfloat16, average=True, layout="flat", align=1),
+    dict(comm_dtype=torch.float32, average=False, layout="flat", align=1),
+    dict(comm_dtype=torch.bfloat16, average=False, layout="chunked", align=1),
+    dict(comm_dtype=torch.float32, average=True, layout="chunked", align=4),
+    dict(comm_dtype=None, average=True, layout="flat", align=8, param_dtype=torch.bfloat16),
+    dict(comm_dtype=torch.float16, average=True, layout="flat", align=1),  # 1/W folded: pre 1/p, post p/W
+    dict(comm_dtype=torch.bfloat16, average=True, layout="flat", align=1, no_avg=True),  # 1/W folded into unpack
+    dict(comm_dtype=torch.float32, average=False, layout="flat", align=1, prescale=2.0, postscale=0.25),
+]
+
+
+def _exact_rank(rank: int, world_size: int) -> list:
+    """Per config: (label, [(got, expected)] after 3 accumulated micro-steps, then after a new window of 1)."""
+    out = []
+    for config in _EXACT_CONFIGS:
+        config = dict(config)
+        param_dtype = config.pop("param_dtype", torch.float32)
+        model = _IntNet().to(param_dtype)
+        twin = copy.deepcopy(model)
+        twin_of = dict(zip(model.parameters(), twin.parameters()))
+        buckets = build_buckets(model, 24)
+        if config.pop("no_avg", False):
+            # A backend without ReduceOp.AVG (gloo before torch 2.8): the fallback path, on real collectives.
+            with mock.patch.object(comm, "avg_supported", return_value=False):
+                reducer = BucketReducer(buckets, **config)
+            assert reducer._buckets[0].op == dist.ReduceOp.SUM or world_size == 1
+        else:
+            reducer = BucketReducer(buckets, **config)
+        label = f"{config} params {param_dtype} W={world_size}"
+        scale = config.get("prescale", 1.0) * config.get("postscale", 1.0)
+        assert all(not p.requires_grad for p in model.frozen.parameters())
+        assert not any(p is model.frozen.weight for b in reducer.buckets for p in b)
+        _run_steps(model, twin, reducer, rank, 3)
+        assert all(p.grad is None for p in model.parameters()), "param.grad must be freed once packed"
+        got = [gs.shard.clone() for gs in reducer.grad_shards()]
+        expected = _expected_shards(reducer, twin_of, world_size, config["average"], scale)
+        out.append((label + " after 3 micro-steps", got, expected))
+        reducer.zero_grad()
+        twin.zero_grad(set_to_none=True)
+        _run_steps(model, twin, reducer, rank, 1, first_step=3)
+        got = [gs.shard.clone() for gs in reducer.grad_shards()]
+        expected = _expected_shards(reducer, twin_of, world_size, config["average"], scale)
+        out.append((label + " after zero_grad + 1", got, expected))
+        reducer.remove_hooks()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_shards_equal_allreduce_reference_exactly(world_size):
+    results = run_ranks(_exact_rank, world_size, timeout=100)
+    for rank, per_config in enumerate(results):
+        for label, got, expected in per_config:
+            assert len(got) == len(expected)
+            for bucket_id, (g, e) in enumerate(zip(got, expected)):
+                assert g.dtype == torch.float32
+                assert torch.equal(g, e), f"rank {rank} bucket {bucket_id} {label}:\n got {g}\n expected {e}"
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(33, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 7))
+
+    def loss(self, rank: int, step: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(77 * rank + step)
+        x = torch.randn(5, 33, generator=gen)
+        return self.net(x).square().mean()
+
+
+def _random_rank(rank: int, world_size: int) -> list:
+    """Random fp32 data, 3 micro-steps, hooks off (an integration calls mark_ready itself)."""
+    out = []
+    for register_hooks in (True, False):
+        torch.manual_seed(0)
+        model = _MLP()
+        twin = copy.deepcopy(model)
+        twin_of = dict(zip(model.parameters(), twin.parameters()))
+        reducer = BucketReducer(build_buckets(model, 1000), register_hooks=register_hooks)
+        for step in range(3):
+            model.loss(rank, step).backward()
+            if not register_hooks:
+                for p in reversed(list(model.parameters())):
+                    reducer.mark_ready(p)
+            reducer.finish()
+            twin.loss(rank, step).backward()
+        got = [gs.shard.clone() for gs in reducer.grad_shards()]
+        out.append((register_hooks, got, _expected_shards(reducer, twin_of, world_size, True)))
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_random_fp32_shards_match_reference(world_size):
+    for rank, per_config in enumerate(run_ranks(_random_rank, world_size, timeout=80)):
+        for hooks, got, expected in per_config:
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e, msg=lambda m: f"rank {rank} hooks={hooks}: {m}")
+
+
+def _count_rank(rank: int, world_size: int, method: str) -> list:
+    model = _IntNet()
+    reducer = BucketReducer(build_buckets(model, 24), method=method)
+    counts = []
+    for step in range(2):
+        loss = model.loss(rank, step)
+        with count_collectives() as counted:
+            loss.backward()
+            reducer.finish()
+        counts.append(dict(counted))
+    return [len(reducer.buckets), counts]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "world_size,method,name",
+    [
+        (2, "auto", "reduce_scatter"),
+        (4, "auto", "reduce_scatter"),
+        (2, "tensor", "reduce_scatter_single"),
+        (1, "auto", None),
+    ],
+)
+def test_one_reduce_scatter_per_bucket_per_backward(world_size, method, name):
+    for rank, (num_buckets, counts) in enumerate(run_ranks(_count_rank, world_size, method, timeout=80)):
+        assert num_buckets == 5
+        expected = {name: num_buckets} if name else {}  # world size 1: no collective at all
+        if name == "reduce_scatter_single" and not hasattr(dist, "reduce_scatter_single"):
+            expected = {"reduce_scatter_tensor": num_buckets}
+        assert counts == [expected, expected], f"rank {rank}"
+
+
+class _Shaped(nn.Module):
+    def __init__(self, widths: list[int]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(w, 3) for w in widths)
+
+
+def _mismatch_rank(rank: int, world_size: int) -> list:
+    """Three disagreements; each must raise on every rank. Returns (exception type, message) per case."""
+    cases = [
+        [4, 5, 6] if rank == 0 else [4, 7, 6],  # one param shape differs
+        [4, 5, 6] if rank == 0 else [4, 5, 6, 8],  # one more bucket on the other ranks
+        "frozen" if rank == world_size - 1 else [4, 5, 6],  # a local setup error on the last rank
+    ]
+    out = []
+    for case in cases:
+        if case == "frozen":
+            model = _Shaped([4, 5, 6])
+            model.layers[0].weight.requires_grad_(False)
+            buckets = [list(model.layers[0].parameters())]
+        else:
+            model = _Shaped(case)
+            buckets = [list(layer.parameters()) for layer in reversed(model.layers)]
+        try:
+            BucketReducer(buckets)
+        except Exception as exc:  # every rank must get here
+            out.append((type(exc).__name__, str(exc)))
+        else:
+            out.append((None, "no error"))
+    # The group still works after the failed setups: nothing is left half-matched.
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    out.append(("all_reduce", float(flag)))
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_layout_mismatch_raises_on_every_rank(world_size):
+    results = run_ranks(_mismatch_rank, world_size, timeout=80)
+    last = world_size - 1
+    for rank, (shape, count, local, after) in enumerate(results):
+        assert shape[0] == "LayoutMismatchError", (rank, shape)
+        assert "bucket 1 param 0" in shape[1] and "(3, 5)" in shape[1] and "(3, 7)" in shape[1], shape[1]
+        assert count[0] == "LayoutMismatchError", (rank, count)
+        assert "rank 0 has 3 buckets" in count[1] and "has 4" in count[1], count[1]
+        assert "bucket 0 param 0 has shape (3, 6)" in count[1] and "(3, 8)" in count[1], count[1]
+        if rank == last:
+            assert local[0] == "ValueError" and "does not require grad" in local[1], local
+        else:
+            assert local[0] == "LayoutMismatchError" and f"rank {last} failed" in local[1], local
+        assert after == ("all_reduce", float(world_size))
+    assert issubclass(LayoutMismatchError, RuntimeError)
+
+
+PG_TIMEOUT_S = 4.0
+
+
+def _dead_rank(rank: int, world_size: int, mode: str) -> tuple:
+    # A group of its own with a short timeout: the default group's rendezvous needs a long one
+    # on a loaded machine. This also runs the reducer on a group that is not the default one.
+    group = dist.new_group(timeout=timedelta(seconds=PG_TIMEOUT_S))
+    model = _IntNet()
+    reducer = BucketReducer(build_buckets(model, 24), process_group=group)
+    if rank == world_size - 1:
+        if mode == "exit":
+            os._exit(0)  # dies after setup, before backward
+        time.sleep(PG_TIMEOUT_S + 4)  # hangs past the group's timeout, then leaves
+        return "hung"
+    start = time.monotonic()
+    try:
+        model.loss(rank, 0).backward()
+        reducer.finish()
+    except Exception as exc:
+        return time.monotonic() - start, type(exc).__name__, str(exc)
+    return time.monotonic() - start, None, "finished without an error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size,mode", [(2, "exit"), (4, "exit"), (2, "hang")])
+def test_dead_rank_makes_survivors_raise(world_size, mode):
+    results = run_ranks(_dead_rank, world_size, mode, timeout=40, may_exit=(world_size - 1,), grace=1.0)
+    assert results[-1] == (EXITED if mode == "exit" else "hung")
+    for rank, (elapsed, kind, message) in enumerate(results[:-1]):
+        assert kind == "RuntimeError", (rank, kind, message)
+        assert f"reduce_scatter of bucket 0 failed on rank {rank}" in message, message
+        assert elapsed < PG_TIMEOUT_S + 3.0, f"rank {rank} took {elapsed:.1f}s to fail"
+
+
+def _refusals_rank(rank: int, world_size: int) -> dict:
+    """Setup refusals and misuse, each with the message it raises (world size 1)."""
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except Exception as exc:
+            out[name] = (type(exc).__name__, str(exc))
+        else:
+            out[name] = (None, "no error")
+
+    dense = nn.Parameter(torch.zeros(3))
+    attempt("sparse param", lambda: BucketReducer([[dense, nn.Parameter(torch.zeros(4, 4).to_sparse())]]))
+    attempt("mixed devices", lambda: BucketReducer([[dense, nn.Parameter(torch.zeros(3, device="meta"))]]))
+    attempt("mixed dtypes", lambda: BucketReducer([[dense, nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]]))
+    attempt("duplicate", lambda: BucketReducer([[dense], [dense]]))
+    attempt("empty bucket", lambda: BucketReducer([[dense], []]))
+    attempt("sparse module", lambda: build_buckets(nn.Embedding(5, 2, sparse=True), 10))
+
+    emb = nn.Embedding(5, 2, sparse=True)
+    reducer = BucketReducer([list(emb.parameters())])
+    attempt("sparse grad", lambda: emb(torch.tensor([1, 2])).sum().backward())
+    reducer.remove_hooks()
+
+    model = _IntNet()
+    reducer = BucketReducer(build_buckets(model, 24))
+    model.loss(0, 0).backward()
+    attempt("zero_grad mid-step", reducer.zero_grad)
+    attempt("second backward", lambda: model.loss(0, 1).backward())
+    reducer.finish()
+    attempt("zero_grad after finish", reducer.zero_grad)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_setup_refusals_and_misuse():
+    (out,) = run_ranks(_refusals_rank, 1, timeout=50)
+    kind, message = out["sparse param"]
+    assert kind == "ValueError" and "buckets[0][1]" in message and "sparse" in message
+    kind, message = out["mixed devices"]
+    assert kind == "ValueError" and "meta" in message and "buckets[0][1]" in message
+    assert out["mixed dtypes"][0] == "ValueError" and "comm_dtype" in out["mixed dtypes"][1]
+    assert out["duplicate"][0] == "ValueError" and "buckets[0][0]" in out["duplicate"][1]
+    assert out["empty bucket"][0] == "TypeError" and "buckets[1]" in out["empty bucket"][1]
+    assert out["sparse module"][0] == "ValueError" and "sparse" in out["sparse module"][1]
+    assert out["sparse grad"][0] == "ValueError" and "sparse gradient" in out["sparse grad"][1]
+    assert out["zero_grad mid-step"][0] == "RuntimeError" and "finish() first" in out["zero_grad mid-step"][1]
+    # A second backward before finish() marks params ready twice: refused, naming the cause.
+    assert out["second backward"][0] == "RuntimeError" and "ready twice" in out["second backward"][1]
+    assert out["zero_grad after finish"] == (None, "no error")
+
+
+@given(
+    numels=st.lists(st.integers(1, 50), min_size=1, max_size=20),
+    frozen=st.lists(st.booleans(), min_size=20, max_size=20),
+    bucket_numel=st.integers(1, 120),
+)
+@settings(max_examples=60, deadline=None)
+def test_build_buckets_order_and_sizes(numels, frozen, bucket_numel):
+    params = [nn.Parameter(torch.zeros(n), requires_grad=not f) for n, f in zip(numels, frozen)]
+    buckets = build_buckets(params, bucket_numel)
+    trainable = [p for p in params if p.requires_grad]
+    flat = [p for b in buckets for p in b]
+    assert [id(p) for p in flat] == [id(p) for p in reversed(trainable)]
+    sizes = [sum(p.numel() for p in b) for b in buckets]
+    for b, size in zip(buckets, sizes):
+        assert b and (len(b) == 1 or size <= bucket_numel)
+    for i in range(len(buckets) - 1):  # a bucket closes only when full or when the next param would overflow it
+        assert sizes[i] >= bucket_numel or sizes[i] + buckets[i + 1][0].numel() > bucket_numel
+
+
+def test_build_buckets_splits_devices_and_dtypes():
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    c = nn.Parameter(torch.zeros(2, device="meta"))
+    assert [[id(p) for p in bk] for bk in build_buckets([a, b, c], 100)] == [[id(c)], [id(b)], [id(a)]]
+    with pytest.raises(ValueError, match="bucket_numel"):
+        build_buckets([a], 0)
+    with pytest.raises(TypeError, match="one tensor"):
+        build_buckets(a, 10)
+
+
+def test_reducer_needs_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        BucketReducer([[nn.Parameter(torch.zeros(2))]])
