@@ -10,3 +10,11 @@ from .layout import Layout, Piece
 
 __all__ = ["Layout", "Piece", "pack", "unpack", "UnpackStats", "available_backends", "BackendStatus"]
 __version__ = "0.1.0"
+
+import os as _os
+
+if _os.environ.get("FLATGRAD_DEEPSPEED", "") not in ("", "0"):
+    # FLATGRAD_DEEPSPEED=1: route every later deepspeed.initialize through flatgrad (see flatgrad.deepspeed).
+    from .integrations.deepspeed.patch import patch_from_env as _patch_from_env
+
+    _patch_from_env()

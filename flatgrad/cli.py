@@ -1,4 +1,4 @@
-"""The ``flatgrad`` command: ``flatgrad bench`` (``demo`` and ``plan`` to come).
+"""The ``flatgrad`` command: ``flatgrad demo``, ``flatgrad bench`` and ``flatgrad plan``.
 
 A subcommand is a module with ``add_arguments(parser)`` and
 ``run_from_args(args) -> int`` (exit status) whose docstring's first paragraph
@@ -16,9 +16,17 @@ __all__ = ["build_parser", "main"]
 
 # name -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "flatgrad.demo.command",
+        "train the seed MoE model on W ranks under stock DeepSpeed and flatgrad ZeRO-2/3, side by side",
+    ),
     "bench": (
         "flatgrad.bench.pack_unpack",
         "pack/unpack throughput against DeepSpeed ZeRO-3, narrow().copy_, torch._chunk_cat and a copy_ roofline",
+    ),
+    "plan": (
+        "flatgrad.plan.command",
+        "per-backward collective schedules of stock DeepSpeed and flatgrad at any world size, without GPUs",
     ),
 }
 

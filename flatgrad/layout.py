@@ -42,7 +42,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Layout", "Piece", "PACK_RUN_FIELDS", "UNPACK_RUN_FIELDS"]
+__all__ = ["Layout", "Piece", "PACK_RUN_FIELDS", "UNPACK_RUN_FIELDS", "split_numels"]
 
 PACK_RUN_FIELDS = ("dst_offset", "tensor_index", "src_offset", "length", "valid")
 UNPACK_RUN_FIELDS = ("src_offset", "out_index", "out_offset", "length")
@@ -248,6 +248,29 @@ class Layout:
         """A short hash of everything that defines the layout, for cross-rank agreement."""
         text = f"{self.kind}|{self.world_size}|{self.align}|{','.join(map(str, self.numels))}"
         return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def split_numels(numels: Sequence[int], bucket_numel: int) -> list[tuple[int, int]]:
+    """Cut a sequence of tensors into buckets of about ``bucket_numel`` elements; ``(start, stop)`` index ranges.
+
+    A bucket closes before a tensor that would overflow it, but only once it is
+    at least half full: a small tensor (a bias) ahead of a large one joins it
+    rather than becoming a collective of its own. So every bucket but the last
+    holds at least ``bucket_numel / 2`` elements, and a bucket over
+    ``bucket_numel`` is one large tensor plus less than half a bucket.
+    """
+    bucket_numel = _check_int("bucket_numel", bucket_numel, 1)
+    ranges: list[tuple[int, int]] = []
+    start, numel = 0, 0
+    for i, n in enumerate(numels):
+        n = _check_int(f"numels[{i}]", n, 0)
+        if i > start and numel + n > bucket_numel and 2 * numel >= bucket_numel:
+            ranges.append((start, i))
+            start, numel = i, 0
+        numel += n
+    if len(numels) > start:
+        ranges.append((start, len(numels)))
+    return ranges
 
 
 def _split_runs(

@@ -84,7 +84,7 @@ from torch import nn
 
 from . import comm
 from .kernels import DTYPES, resolve_backend
-from .layout import Layout, Piece
+from .layout import Layout, Piece, split_numels
 
 __all__ = ["BucketReducer", "GradShard", "LayoutMismatchError", "build_buckets"]
 
@@ -120,8 +120,9 @@ def _describe_param(p: torch.Tensor) -> str:
 def build_buckets(params: Iterable[torch.Tensor] | nn.Module, bucket_numel: int) -> list[list[nn.Parameter]]:
     """Group the trainable params into buckets of about ``bucket_numel`` elements, in backward order.
 
-    Backward order is taken as reverse registration order. A param of more than
-    ``bucket_numel`` elements gets a bucket of its own, and a bucket never mixes
+    Backward order is taken as reverse registration order. The cuts are
+    ``flatgrad.layout.split_numels``'s (a small param joins the next large one
+    rather than making a collective of its own), and a bucket never mixes
     devices or dtypes. Given a module, modules that make sparse gradients
     (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are refused.
     """
@@ -142,23 +143,14 @@ def build_buckets(params: Iterable[torch.Tensor] | nn.Module, bucket_numel: int)
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             ordered.append(p)
+    ordered.reverse()
     buckets: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    numel = 0
-    for p in reversed(ordered):
-        starts_new = current and (
-            numel + p.numel() > bucket_numel or p.device != current[0].device or p.dtype != current[0].dtype
-        )
-        if starts_new:
-            buckets.append(current)
-            current, numel = [], 0
-        current.append(p)
-        numel += p.numel()
-        if numel >= bucket_numel:
-            buckets.append(current)
-            current, numel = [], 0
-    if current:
-        buckets.append(current)
+    start = 0
+    for end in range(1, len(ordered) + 1):  # runs of one device and dtype, each cut by split_numels
+        if end == len(ordered) or (ordered[end].device, ordered[end].dtype) != (ordered[start].device, ordered[start].dtype):
+            run = ordered[start:end]
+            buckets += [run[a:b] for a, b in split_numels([p.numel() for p in run], bucket_numel)]
+            start = end
     return buckets
 
 

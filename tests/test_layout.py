@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatgrad import Layout, Piece
+from flatgrad.layout import split_numels
 
 NUMEL = st.one_of(st.integers(0, 3), st.sampled_from([5, 7, 13, 31, 97, 1009]), st.integers(0, 3000))
 CASES = dict(
@@ -199,3 +200,23 @@ def test_layout_is_frozen_and_hashable():
         layout.world_size = 3  # type: ignore[misc]
     assert {layout: 1}[Layout.chunked([3, 4], 2)] == 1
     assert layout.pack_runs(4) is layout.pack_runs(4), "run tables are derived once"
+
+
+@settings(max_examples=200, deadline=None)
+@given(numels=st.lists(st.integers(0, 100), max_size=30), bucket_numel=st.integers(1, 150))
+def test_split_numels_buckets(numels, bucket_numel):
+    ranges = split_numels(numels, bucket_numel)
+    assert [i for a, b in ranges for i in range(a, b)] == list(range(len(numels)))
+    assert all(a < b for a, b in ranges)
+    sizes = [sum(numels[a:b]) for a, b in ranges]
+    for (a, b), size in zip(ranges, sizes):  # over the target only by one tensor after less than half a bucket
+        assert size <= bucket_numel or 2 * (size - numels[b - 1]) < bucket_numel
+    for k in range(len(ranges) - 1):  # a bucket closes only when at least half full and the next tensor overflows it
+        assert 2 * sizes[k] >= bucket_numel and sizes[k] + numels[ranges[k + 1][0]] > bucket_numel
+
+
+def test_split_numels_keeps_a_bias_with_its_weight():
+    # backward order of Linear(1000, 1000) x 2: bias, weight, bias, weight
+    assert split_numels([1000, 10**6, 1000, 10**6], 10**6) == [(0, 2), (2, 4)]
+    with pytest.raises(ValueError, match="bucket_numel"):
+        split_numels([1], 0)

@@ -382,10 +382,10 @@ def test_build_buckets_order_and_sizes(numels, frozen, bucket_numel):
     flat = [p for b in buckets for p in b]
     assert [id(p) for p in flat] == [id(p) for p in reversed(trainable)]
     sizes = [sum(p.numel() for p in b) for b in buckets]
-    for b, size in zip(buckets, sizes):
-        assert b and (len(b) == 1 or size <= bucket_numel)
-    for i in range(len(buckets) - 1):  # a bucket closes only when full or when the next param would overflow it
-        assert sizes[i] >= bucket_numel or sizes[i] + buckets[i + 1][0].numel() > bucket_numel
+    for b, size in zip(buckets, sizes):  # over the target only by one large param after less than half a bucket
+        assert b and (size <= bucket_numel or 2 * (size - b[-1].numel()) < bucket_numel)
+    for i in range(len(buckets) - 1):  # a bucket closes only when at least half full and the next param overflows it
+        assert 2 * sizes[i] >= bucket_numel and sizes[i] + buckets[i + 1][0].numel() > bucket_numel
 
 
 def test_build_buckets_splits_devices_and_dtypes():

@@ -33,9 +33,11 @@ class FlatgradConfig:
         comm_dtype: dtype of the reduce_scatter buffer (``fp32``, ``bf16``, ``fp16``); None uses
             what stock DeepSpeed communicates in (the gradients' dtype, or
             ``communication_data_type``).
-        bucket_numel: ZeRO-1/2 sub-group size in elements; None uses ``reduce_bucket_size``.
-        reduce_scatter: ``auto`` (``reduce_scatter_tensor`` on NCCL, the list form on gloo),
-            ``tensor`` or ``list``.
+        bucket_numel: ZeRO-1/2 sub-group size, ZeRO-3 bucket size, in elements; None uses
+            ``reduce_bucket_size``.
+        reduce_scatter: ``auto`` (``reduce_scatter_tensor`` on NCCL, the list form on gloo;
+            under ZeRO-3 always the tensor form, the collective stock ZeRO-3 issues, which keeps
+            results bitwise equal to stock), ``tensor`` or ``list``.
     """
 
     enabled: bool = True

@@ -1,0 +1,209 @@
+"""The demo's figures from every rank's measurements: a summary per setup, the text table, JSON and a PNG chart.
+
+[Note: demo figures]
+* ``reductions``: gradient reductions (``reduce``, ``all_reduce``,
+  ``reduce_scatter``) issued during ``engine.backward``, per backward on one
+  rank; ``reductions_multi_rank`` counts those on a group of more than one rank.
+  Every rank and step must agree (they do: the calls are collective), else the
+  summary raises.
+* ``step_collectives``: every collective the optimizer step issues (norms,
+  overflow checks, the parameter all_gather), per step (the most of any rank and step).
+* ``sent_mb_per_rank``: MB (1e6 bytes) a rank sends for one backward's
+  gradient reductions, by ``measure.sent_bytes``; mean over ranks (a reduce's
+  root sends nothing).
+* Times: per step the slowest rank (a step ends when the last rank is done),
+  then median and min over the timed steps, which leave out the first (it
+  allocates buffers and builds flatgrad's plans) when there is more than one.
+  ``backward_ms`` is ``engine.backward``: autograd, DeepSpeed's hooks, the
+  reduction and its epilogue; ``step_ms`` is forward + backward + optimizer step.
+* ``max_loss_diff``: the largest ``|loss - reference loss|`` over ranks and
+  steps, the reference being the stock row of the same stage.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Mapping, Sequence
+
+from .measure import REDUCTION_OPS, Call, sent_bytes
+from .setups import DENSE, Setup
+
+__all__ = ["summarize", "footnotes", "text_table", "plot"]
+
+
+def _same(values: Sequence[int], what: str, setup: Setup) -> int:
+    if len(set(values)) != 1:
+        raise RuntimeError(f"{setup.label}: {what} differs between ranks or steps: {sorted(set(values))}")
+    return values[0]
+
+
+def _call(c: Sequence[Any]) -> Call:
+    return Call(c[0], c[1], c[2], c[3], tuple(c[4]), c[5])
+
+
+def _timed(series: list[float]) -> list[float]:
+    return series[1:] if len(series) > 1 else series
+
+
+def _setup_summary(setup: Setup, per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
+    entries = [r["setups"][setup.key] for r in per_rank]
+    steps = len(entries[0]["steps"])
+    reductions, multi_rank, step_calls, sent = [], [], [], []
+    for rank, entry in enumerate(entries):
+        for record in entry["steps"]:
+            calls = [c for c in record["calls"] if c[0] == "backward" and c[1] in REDUCTION_OPS]
+            reductions.append(len(calls))
+            multi_rank.append(sum(1 for c in calls if len(c[4]) > 1))
+            step_calls.append(sum(1 for c in record["calls"] if c[0] == "step"))
+            sent.append(sum(sent_bytes(_call(c), rank) for c in calls))
+    slowest = {
+        name: [max(e["steps"][k][name] for e in entries) for k in range(steps)]
+        for name in ("forward", "backward", "optimizer", "step")
+    }
+    last = entries[0]["steps"][-1]["calls"]
+    by_phase: dict[str, dict[str, int]] = {}
+    for c in last:
+        by_phase.setdefault(c[0], {}).setdefault(c[1], 0)
+        by_phase[c[0]][c[1]] += 1
+    out: dict[str, Any] = {
+        "key": setup.key,
+        "label": setup.label,
+        "stage": setup.stage,
+        "flatgrad": setup.flatgrad,
+        "reference": setup.reference,
+        **entries[0]["info"],
+        "reductions": _same(reductions, "reductions per backward", setup),
+        "reductions_multi_rank": _same(multi_rank, "multi-rank reductions per backward", setup),
+        "step_collectives": max(step_calls),
+        "sent_mb_per_rank": statistics.fmean(sent) / 1e6,
+        "calls_by_phase_rank0": by_phase,
+        "reduction_calls_rank0": [
+            {"op": c[1], "numel": c[2], "dtype": c[3], "group": list(c[4]), "dst": c[5]}
+            for c in last if c[0] == "backward" and c[1] in REDUCTION_OPS
+        ],
+        "losses": [[r["loss"] for r in e["steps"]] for e in entries],
+        "per_step_slowest_s": slowest,
+    }
+    for name in ("backward", "step", "optimizer"):
+        timed = _timed(slowest[name])
+        out[f"{name}_ms"] = statistics.median(timed) * 1e3
+        out[f"{name}_ms_min"] = min(timed) * 1e3
+    return out
+
+
+def summarize(setups: Sequence[Setup], per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per setup the figures of [Note: demo figures], with loss differences and ratios to its reference."""
+    rows = {s.key: _setup_summary(s, per_rank) for s in setups}
+    for row in rows.values():
+        ref = rows[row["reference"]]
+        row["max_loss_diff"] = max(
+            abs(a - b) for mine, theirs in zip(row["losses"], ref["losses"]) for a, b in zip(mine, theirs)
+        )
+        row["backward_x_reference"] = row["backward_ms"] / ref["backward_ms"]
+        row["step_x_reference"] = row["step_ms"] / ref["step_ms"]
+    return {
+        "rows": [rows[s.key] for s in setups],
+        "zero3_refusal": per_rank[0].get("zero3_refusal"),
+    }
+
+
+def _fmt_ms(ms: float) -> str:
+    return f"{ms:.0f}" if ms >= 10 else f"{ms:.1f}"
+
+
+def footnotes(summary: Mapping[str, Any], world_size: int) -> list[str]:
+    """What the table's figures mean, and what was trained."""
+    rows = summary["rows"]
+    notes = [
+        "calls: gradient reductions (reduce / all_reduce / reduce_scatter) per backward, counted at deepspeed.comm "
+        "and torch.distributed; (n): those on groups of more than one rank.",
+        "MB/rank: bytes one rank sends for them (ring model of `flatgrad plan`), mean over ranks.",
+        "times: slowest rank per step, median over the steps after the first; step = forward + backward + "
+        "optimizer step. opt calls: collectives of the optimizer step (norms, the parameter all_gather).",
+        "max |dloss|: largest loss difference from the stock row of the same stage, over ranks and steps.",
+    ]
+    flat2 = next((r for r in rows if r["key"] == "flatgrad_zero2"), None)
+    if flat2 is not None:
+        notes.append(
+            f"flatgrad ZeRO-2 splits the optimizer into {flat2['sub_groups']} bucket-sized sub-groups, "
+            f"{flat2['sub_groups_multi_rank']} of them on groups of more than one rank: one reduce_scatter each."
+        )
+    if any(r["model"] == "seed-moe" for r in rows) and world_size == 4:
+        notes.append(
+            "At 4 ranks each expert group (ep_size 4) has one rank: stock still issues a call per bucket run for "
+            "the experts; flatgrad makes none there (a copy)."
+        )
+    if summary.get("zero3_refusal") and any(r["stage"] == 3 for r in rows):
+        name, kwargs = DENSE
+        notes.append(
+            f"ZeRO-3 rows train a dense model ({name} {kwargs}: the seed model's fc1, fc2 and one expert's "
+            f"fc1/fc2) because the seed MoE model is refused under ZeRO-3: {summary['zero3_refusal']}"
+        )
+    return notes
+
+
+def text_table(summary: Mapping[str, Any], world_size: int, device: str, machine: str = "") -> str:
+    """The side-by-side table with its footnotes."""
+    header = ("setup", "model", "params", "calls", "MB/rank", "bwd+reduce ms", "step ms", "opt calls", "max |dloss|")
+    lines = []
+    for r in summary["rows"]:
+        ref = r["key"] == r["reference"]
+        lines.append((
+            r["label"],
+            r["model"],
+            f"{r['n_params'] / 1e6:.2f}M",
+            f"{r['reductions']} ({r['reductions_multi_rank']})",
+            f"{r['sent_mb_per_rank']:.2f}",
+            _fmt_ms(r["backward_ms"]) + ("" if ref else f" ({r['backward_x_reference']:.2f}x)"),
+            _fmt_ms(r["step_ms"]) + ("" if ref else f" ({r['step_x_reference']:.2f}x)"),
+            str(r["step_collectives"]),
+            "reference" if ref else ("0 (equal)" if r["max_loss_diff"] == 0 else f"{r['max_loss_diff']:.2e}"),
+        ))  # fmt: skip
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+
+    def row(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [f"flatgrad demo: {world_size} {device.upper()} ranks"]
+    if machine:
+        out.append(machine)
+    out += ["", row(header), row(["-" * w for w in widths])]
+    out += [row(line) for line in lines]
+    out.append("")
+    out += [f"  {note}" for note in footnotes(summary, world_size)]
+    return "\n".join(out) + "\n"
+
+
+def plot(path: str, summary: Mapping[str, Any], world_size: int, device: str) -> None:
+    """A PNG: reductions per backward, MB per rank, backward and step time per setup."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    names = [r["label"].replace(", ", "\n").replace(" ZeRO", "\nZeRO") + f"\n({r['model']})" for r in rows]
+    colors = ["#4c72b0" if r["flatgrad"] else "#c44e52" for r in rows]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.4))
+    ax = axes[0]
+    multi = [r["reductions_multi_rank"] for r in rows]
+    single = [r["reductions"] - r["reductions_multi_rank"] for r in rows]
+    ax.bar(names, multi, color=colors, label="groups of >1 rank")
+    ax.bar(names, single, bottom=multi, color=colors, alpha=0.35, label="one-rank groups")
+    ax.set_title("gradient reductions per backward")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    ax.bar(names, [r["sent_mb_per_rank"] for r in rows], color=colors)
+    ax.set_title("MB sent per rank per backward")
+    panels = ((axes[2], "backward", "backward + reduction (ms)"), (axes[3], "step", "training step (ms)"))
+    for ax, name, title in panels:
+        ax.bar(names, [r[f"{name}_ms"] for r in rows], color=colors)
+        ax.scatter(names, [r[f"{name}_ms_min"] for r in rows], color="black", marker="_", s=200, label="min")
+        ax.set_title(f"{title}, median")
+        ax.legend(fontsize=7)
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"flatgrad demo: stock DeepSpeed (red) and flatgrad (blue), {world_size} {device.upper()} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,114 @@
+"""What ``flatgrad demo`` trains: the setups (stock or flatgrad, ZeRO-2 or ZeRO-3), their configs and models.
+
+Every setup trains the same model from the same seed on the same batches;
+only the gradient reduction differs. Models come from ``flatgrad.plan.models``,
+the definitions ``flatgrad plan`` schedules:
+
+* ZeRO-2: ``seed-moe``, the seed thread's model (DESIGN.md "The seed model"):
+  10,026,000 trainable parameters per rank, 16 experts, ``ep_size=4``.
+* ZeRO-3: DeepSpeed 0.19 refuses its native MoE under ZeRO-3 ("Native
+  DeepSpeed MoE is not supported with ZeRO Stage 3"), and flatgrad's ZeRO-3
+  backend refuses AutoEP, its only MoE there. The ZeRO-3 rows first try the
+  seed model; when it is refused they train ``DENSE``, the seed model's dense
+  shapes (``fc1``, ``fc2`` and one expert's ``fc1``/``fc2``: four 1000x1000
+  ``Linear`` layers, 4,005,000 parameters), and the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["Setup", "SETUPS", "SEED_MODEL", "DENSE", "by_key", "ds_config", "build_model", "make_batches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One row of the demo.
+
+    Attributes:
+        key: identifier for ``--setups``, JSON and charts.
+        label: the row's name in the table.
+        stage: the ZeRO stage.
+        flatgrad: through ``flatgrad.deepspeed.initialize`` (else stock ``deepspeed.initialize``).
+        multi_rank_allreduce: stock ZeRO-2's ``use_multi_rank_bucket_allreduce`` (None: not ZeRO-2 stock).
+        reference: the key of the setup whose losses this one is compared with.
+    """
+
+    key: str
+    label: str
+    stage: int
+    flatgrad: bool
+    multi_rank_allreduce: bool | None
+    reference: str
+
+
+SETUPS: tuple[Setup, ...] = (
+    Setup("stock_zero2", "stock ZeRO-2", 2, False, True, "stock_zero2"),
+    Setup("stock_zero2_reduce", "stock ZeRO-2, reduce mode", 2, False, False, "stock_zero2"),
+    Setup("flatgrad_zero2", "flatgrad ZeRO-2", 2, True, None, "stock_zero2"),
+    Setup("stock_zero3", "stock ZeRO-3", 3, False, None, "stock_zero3"),
+    Setup("flatgrad_zero3", "flatgrad ZeRO-3", 3, True, None, "stock_zero3"),
+)
+
+# (name in flatgrad.plan.models.MODELS, factory keyword arguments)
+SEED_MODEL: tuple[str, dict[str, Any]] = ("seed-moe", {})
+DENSE: tuple[str, dict[str, Any]] = ("mlp", dict(d_in=1000, hidden=1000, d_out=1000, layers=4))
+
+
+def by_key(keys: list[str] | tuple[str, ...]) -> tuple[Setup, ...]:
+    """The setups named by ``keys``, in table order, each reference included; raises naming an unknown key."""
+    known = {s.key: s for s in SETUPS}
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        raise ValueError(f"--setups: unknown setup(s) {unknown}; known: {list(known)}")
+    wanted = set(keys) | {known[k].reference for k in keys}
+    return tuple(s for s in SETUPS if s.key in wanted)
+
+
+def ds_config(setup: Setup, *, world_size: int, micro_batch: int, bucket: int, dtype: str, lr: float) -> dict:
+    """The DeepSpeed config of ``setup`` (with a ``"flatgrad"`` section for flatgrad's setups)."""
+    zero: dict[str, Any] = {"stage": setup.stage, "reduce_bucket_size": bucket}
+    if setup.stage == 2:
+        zero["allgather_bucket_size"] = max(bucket, 10**8)
+        if setup.multi_rank_allreduce is not None:
+            zero["use_multi_rank_bucket_allreduce"] = setup.multi_rank_allreduce
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro_batch * world_size,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 1.0,
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": zero,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype != "fp32":
+        raise ValueError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    if setup.flatgrad:
+        cfg["flatgrad"] = {}
+    return cfg
+
+
+def build_model(model: tuple[str, dict[str, Any]], seed: int) -> torch.nn.Module:
+    """``model`` built on the CPU from ``seed`` (every setup starts from the same weights)."""
+    from ..plan import models
+
+    name, kwargs = model
+    torch.manual_seed(seed)
+    return models.build(name, "cpu", **kwargs)
+
+
+def make_batches(
+    rank: int, steps: int, micro_batch: int, width: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One ``(x, y)`` batch of ``micro_batch x width`` per step, different on every rank, the same for every setup."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    return [
+        (torch.randn(micro_batch, width, generator=generator), torch.randn(micro_batch, width, generator=generator))
+        for _ in range(steps)
+    ]

@@ -1,0 +1,199 @@
+"""``initialize``: ``deepspeed.initialize`` with flatgrad's gradient reduction installed.
+
+It takes exactly what ``deepspeed.initialize`` takes and returns the same
+tuple. The config (``config``, ``config_params`` or ``args.deepspeed_config``)
+may carry a ``"flatgrad"`` section, which DeepSpeed never sees. Routing:
+
+* ZeRO stage 1 or 2 -> ``zero2``: the optimizer is built over bucket-sized
+  sub-groups (``zero2.prepare``), then the reduce path is installed.
+* ZeRO stage 3 -> ``zero3.check_supported`` before, ``zero3.install`` after.
+* anything else (stage 0, an unsupported feature) raises
+  ``UnsupportedConfigError`` naming the feature and the key; under
+  ``patch()`` such configs pass through to stock DeepSpeed instead, with one
+  log line saying why (``plan`` decides, ``run`` executes).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import logging
+from typing import Any, Callable
+
+from .config import (
+    SECTION,
+    FlatgradConfig,
+    UnsupportedConfigError,
+    check_deepspeed_version,
+    load_config,
+    split_config,
+)
+
+__all__ = ["Plan", "initialize", "plan", "run", "stock_arguments"]
+
+logger = logging.getLogger("flatgrad.deepspeed")
+
+
+@dataclasses.dataclass
+class Plan:
+    """What ``run`` will do with one ``deepspeed.initialize`` call.
+
+    Attributes:
+        route: ``"zero2"`` (stages 1/2), ``"zero3"``, or ``"stock"`` (flatgrad disabled by its section).
+        arguments: the call's arguments by name, the config replaced by one without the section.
+        ds_config: the DeepSpeed config without the ``"flatgrad"`` section.
+        cfg: the ``"flatgrad"`` section.
+        reason: why the route is stock (empty otherwise).
+    """
+
+    route: str
+    arguments: dict
+    ds_config: dict
+    cfg: FlatgradConfig
+    reason: str = ""
+
+
+def _original_initialize() -> Callable:
+    from .patch import original_initialize
+
+    return original_initialize()
+
+
+def _bind(args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name, as ``deepspeed.initialize`` would bind them."""
+    signature = inspect.signature(_original_initialize())
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"flatgrad.deepspeed.initialize takes what deepspeed.initialize takes: {exc}") from None
+    return dict(bound.arguments)
+
+
+def _take_config(arguments: dict) -> Any:
+    """Remove the config from ``arguments`` wherever DeepSpeed would have found it."""
+    config = arguments.pop("config", None)
+    legacy = arguments.pop("config_params", None)
+    if config is None:
+        config = legacy
+    args = arguments.get("args")
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None:
+        if config is not None:
+            raise ValueError("got a DeepSpeed config both in args.deepspeed_config and as config=; pass one")
+        args = copy.copy(args)
+        args.deepspeed_config = None
+        arguments["args"] = args
+        config = from_args
+    if config is None:
+        raise ValueError("DeepSpeed requires a config: pass config= (a dict or a JSON path) or args.deepspeed_config")
+    return config
+
+
+def _check_zero2_call(arguments: dict, ds_config: dict, cfg: FlatgradConfig) -> None:
+    """Refusals that need the call's objects (the model, a client optimizer or scheduler)."""
+    import torch
+
+    from . import zero2
+
+    model = arguments.get("model")
+    try:
+        from deepspeed.pipe import PipelineModule
+    except ImportError:  # pragma: no cover - present in every supported DeepSpeed
+        PipelineModule = ()
+    if PipelineModule and isinstance(model, PipelineModule):
+        raise UnsupportedConfigError(
+            "pipeline parallelism (the model is a deepspeed.pipe.PipelineModule, configured by the 'pipeline' "
+            "section) is not supported by flatgrad's ZeRO-1/2 backend: the pipeline engine reduces outside ZeRO's hooks"
+        )
+    optimizer = arguments.get("optimizer")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if any(len(s) for s in optimizer.state.values()):
+            raise UnsupportedConfigError(
+                f"the client optimizer ({type(optimizer).__name__}) already has state; flatgrad must split its param "
+                "groups into bucket-sized sub-groups and cannot move existing state. Pass an optimizer that has not "
+                "stepped yet, or a callable that builds it, or an 'optimizer' config section"
+            )
+        scheduler = arguments.get("lr_scheduler")
+        if scheduler is not None and not callable(scheduler):
+            bucket = cfg.bucket_numel or int(zero2._get(ds_config, "zero_optimization.reduce_bucket_size", 500_000_000))
+            order = {p: k for k, (_, p) in enumerate(model.named_parameters())} if model is not None else {}
+            split = zero2.split_param_groups(optimizer.param_groups, order, bucket)
+            if len(split) != len(optimizer.param_groups):
+                raise UnsupportedConfigError(
+                    f"the client lr_scheduler ({type(scheduler).__name__}) is bound to the optimizer's "
+                    f"{len(optimizer.param_groups)} param group(s), which flatgrad splits into {len(split)} bucket-sized "
+                    "sub-groups (flatgrad.bucket_numel / 'zero_optimization.reduce_bucket_size'). Pass lr_scheduler as a "
+                    "callable (optimizer -> scheduler) so that it is built over the split groups, or use a 'scheduler' "
+                    "config section"
+                )
+
+
+def stock_arguments(*args: Any, **kwargs: Any) -> dict:
+    """The call's arguments for stock DeepSpeed: the config without the ``"flatgrad"`` section (not validated)."""
+    arguments = _bind(args, kwargs)
+    ds_config = load_config(_take_config(arguments))
+    ds_config.pop(SECTION, None)
+    arguments["config"] = ds_config
+    return arguments
+
+
+def plan(*args: Any, **kwargs: Any) -> Plan:
+    """Decide the route of one ``deepspeed.initialize(*args, **kwargs)`` call; raise if flatgrad cannot take it."""
+    arguments = _bind(args, kwargs)
+    ds_config, cfg = split_config(_take_config(arguments))
+    arguments["config"] = ds_config
+    if not cfg.enabled:
+        return Plan("stock", arguments, ds_config, cfg, "the 'flatgrad.enabled' config key is false")
+    check_deepspeed_version()
+    from . import zero2
+
+    stage = zero2.zero_stage(ds_config)
+    if stage in (1, 2):
+        zero2.check_supported(ds_config)
+        _check_zero2_call(arguments, ds_config, cfg)
+        return Plan("zero2", arguments, ds_config, cfg)
+    if stage == 3:
+        try:
+            from .zero3 import check_supported as zero3_check_supported
+        except ImportError as exc:
+            raise UnsupportedConfigError(
+                f"flatgrad's ZeRO-3 backend is not available ({exc}) ('zero_optimization.stage' = 3)"
+            ) from exc
+        zero3_check_supported(ds_config)
+        return Plan("zero3", arguments, ds_config, cfg)
+    raise UnsupportedConfigError(
+        f"ZeRO stage {stage} has no gradient partitioning for flatgrad to replace ('zero_optimization.stage'); "
+        "flatgrad handles stages 1, 2 and 3"
+    )
+
+
+def run(p: Plan) -> tuple:
+    """Execute a plan: call DeepSpeed, with flatgrad's reduce path on the flatgrad routes."""
+    original = _original_initialize()
+    if p.route == "stock":
+        logger.warning("flatgrad: passing this config to stock DeepSpeed: %s", p.reason)
+        return original(**p.arguments)
+    if p.route == "zero2":
+        from . import zero2
+
+        with zero2.prepare(p.cfg):
+            result = original(**p.arguments)
+        zero2.install(result[0], p.cfg)
+        return result
+    if p.route == "zero3":
+        from .zero3 import install as zero3_install
+
+        result = original(**p.arguments)
+        zero3_install(result[0], p.cfg)
+        return result
+    raise ValueError(f"unknown route {p.route!r}")
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple:
+    """``deepspeed.initialize`` with flatgrad's reduce path: same arguments, same returned tuple.
+
+    Raises ``UnsupportedConfigError`` (naming the feature and the config key)
+    for configs flatgrad does not handle, e.g. ZeRO stage 0 or CPU offload.
+    """
+    return run(plan(*args, **kwargs))

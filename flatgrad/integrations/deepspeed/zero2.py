@@ -1,0 +1,631 @@
+"""DeepSpeed ZeRO-1/2 on flatgrad: bucket-aligned sub-groups, one reduce_scatter per sub-group.
+
+[Note: bucket-aligned sub-groups]
+A ZeRO-1/2 rank owns one contiguous 1/W slice of every param group's flat
+buffer, and gradients arrive in backward order, so a backward bucket of a
+stock group belongs to a few ranks only. flatgrad splits every param group,
+in backward order (reverse registration order), into sub-groups of about
+``bucket_numel`` elements *before* DeepSpeed flattens anything; the sub-groups
+copy their group's hyperparameters and keys (``moe``, ``name``, ...).
+DeepSpeed then flattens each sub-group and gives every rank an equal 1/W of
+it, padded to a multiple of ``W * nccl_start_alignment_factor``: exactly
+``Layout.flat(numels, W, align=nccl_start_alignment_factor)``. Each
+sub-group is one balanced bucket: one fused pack, one reduce_scatter, one
+fused unpack into a persistent fp32 partition. ``install`` checks the layout
+against DeepSpeed's own bookkeeping (flat buffer offsets, ``partition_size``,
+``params_in_partition``, ``first_offset``, insertion offsets) and raises on
+any difference, so a DeepSpeed change can never silently scramble gradients.
+
+[Note: ZeRO-2 seams]
+DeepSpeed's per-parameter hook calls
+``optimizer.reduce_independent_p_g_buckets_and_remove_grads(param, i)`` and
+the engine's backward epilogue calls
+``optimizer.independent_gradient_partition_epilogue()``; both are looked up
+on the instance at call time, so ``install`` replaces them there (DeepSpeed's
+DeepCompile uses the same seam). At the accumulation boundary the epilogue
+hands ``step()`` each sub-group's fp32 partition as
+``averaged_gradients[i]``, a ``GradPartitionBufferGroup`` whose
+``flat_partition`` step() takes as it is (no copy); the per-piece views keep
+the gradient norm, the overflow check and ``safe_get_full_grad`` working
+unchanged. ZeRO-1 reduces once at the boundary through the same seams.
+
+This module holds no kernels and no collectives: the reducer does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ...layout import Layout, split_numels
+from .config import FlatgradConfig, UnsupportedConfigError
+
+__all__ = ["Zero2Reduction", "check_supported", "install", "prepare", "split_param_groups"]
+
+logger = logging.getLogger("flatgrad.deepspeed")
+
+_MUON_OPTIMIZERS = ("muon", "muonwithauxadam", "muadam", "muadamw", "musgd")
+
+
+def _get(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
+    node: Any = config
+    for key in dotted.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            return default
+        node = node[key]
+    return node
+
+
+def zero_stage(ds_config: Mapping[str, Any]) -> int:
+    """The ZeRO stage a DeepSpeed config asks for (0 when absent; the deprecated ``true`` is 1)."""
+    zero = ds_config.get("zero_optimization")
+    if zero is None:
+        return 0
+    if isinstance(zero, bool):
+        return int(zero)
+    return int(zero.get("stage", 0) if isinstance(zero, Mapping) else 0)
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, Mapping) and bool(section.get("enabled", False))
+
+
+def check_supported(ds_config: Mapping[str, Any]) -> None:
+    """Refuse ZeRO-1/2 configs flatgrad does not handle; the error names the feature and the key."""
+    stage = zero_stage(ds_config)
+    if stage not in (1, 2):
+        raise UnsupportedConfigError(f"flatgrad's ZeRO-1/2 backend needs 'zero_optimization.stage' 1 or 2, got {stage}")
+    device = _get(ds_config, "zero_optimization.offload_optimizer.device")
+    if device not in (None, "none"):
+        raise UnsupportedConfigError(
+            f"optimizer offload to {device!r} is not supported by flatgrad ('zero_optimization.offload_optimizer.device'); "
+            "the offload path reduces and copies per parameter on the host"
+        )
+    if _get(ds_config, "zero_optimization.cpu_offload"):
+        raise UnsupportedConfigError(
+            "CPU optimizer offload is not supported by flatgrad ('zero_optimization.cpu_offload')"
+        )
+    if _get(ds_config, "zero_optimization.zenflow") is not None:
+        raise UnsupportedConfigError("ZenFlow is not supported by flatgrad ('zero_optimization.zenflow')")
+    if _get(ds_config, "zero_optimization.parameter_alignment"):
+        raise UnsupportedConfigError(
+            "per-parameter alignment padding is not supported by flatgrad ('zero_optimization.parameter_alignment'): "
+            "the sub-group layout is a plain concatenation"
+        )
+    if _get(ds_config, "compile.deepcompile"):
+        raise UnsupportedConfigError(
+            "DeepCompile owns the same gradient seam; not supported with flatgrad ('compile.deepcompile')"
+        )
+    if _enabled(ds_config.get("torch_autocast")):
+        raise UnsupportedConfigError(
+            "torch autocast (per-parameter communication dtypes) is not supported by flatgrad ('torch_autocast.enabled')"
+        )
+    opt_type = str(_get(ds_config, "optimizer.type", "") or "").lower()
+    if opt_type in _MUON_OPTIMIZERS:
+        raise UnsupportedConfigError(
+            f"the {opt_type!r} optimizer rewrites gradients while DeepSpeed builds the partition, which flatgrad "
+            "replaces ('optimizer.type')"
+        )
+    sp = ds_config.get("sequence_parallel_size", 1)
+    if sp not in (None, 1):
+        raise UnsupportedConfigError(
+            f"sequence parallelism is not supported by flatgrad ('sequence_parallel_size' = {sp})"
+        )
+    if (
+        stage == 1
+        and _enabled(ds_config.get("bf16"))
+        and str(_get(ds_config, "data_types.grad_accum_dtype", "")).lower()
+        in ("fp32", "float32", "float", "torch.float32")
+    ):
+        raise UnsupportedConfigError(
+            "ZeRO-1 with bf16 and fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, not ZeRO "
+            "('data_types.grad_accum_dtype'); use stage 2, where flatgrad accumulates in fp32 anyway"
+        )
+    comm = ds_config.get("communication_data_type")
+    if comm is not None and str(comm).lower() not in ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16"):
+        raise UnsupportedConfigError(
+            f"'communication_data_type' {comm!r} is not supported by flatgrad (fp32, fp16, bf16)"
+        )
+
+
+# --------------------------------------------------------------------------- sub-groups
+
+
+def split_param_groups(
+    param_groups: Sequence[Mapping[str, Any]], order: Mapping[torch.nn.Parameter, int], bucket_numel: int
+) -> list[dict]:
+    """Split every group, in backward order, into sub-groups of about ``bucket_numel`` elements.
+
+    ``order`` maps a parameter to its registration index; backward order is
+    the reverse. Parameters the optimizer will not own (frozen, or without
+    elements) are left out, as DeepSpeed leaves them out. The cuts are
+    ``flatgrad.layout.split_numels``'s: a small param joins the next large one
+    rather than making a collective of its own. Every sub-group copies
+    its group's other keys. See [Note: bucket-aligned sub-groups].
+    """
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
+    out: list[dict] = []
+    for group in param_groups:
+        params = [p for p in group["params"] if p.requires_grad and p.numel() > 0]
+        position = {id(p): k for k, p in enumerate(params)}
+        # Registered parameters in reverse registration order; any others after them, as given.
+        params.sort(key=lambda p: (0, -order[p]) if p in order else (1, position[id(p)]))
+        for start, stop in split_numels([p.numel() for p in params], bucket_numel):
+            out.append(_sub_group(group, params[start:stop]))
+    return out
+
+
+def _sub_group(group: Mapping[str, Any], params: list) -> dict:
+    sub = {k: v for k, v in group.items() if k != "params"}
+    sub["params"] = list(params)
+    return sub
+
+
+def _rebuild_optimizer(optimizer: Any, groups: list[dict]) -> None:
+    """Point a state-less torch optimizer at ``groups`` (its own hyperparameters, split)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedConfigError(
+            f"flatgrad splits the optimizer's param groups and needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if any(len(s) for s in optimizer.state.values()):
+        raise UnsupportedConfigError(
+            f"the client optimizer ({type(optimizer).__name__}) already has state; flatgrad must split its param groups "
+            "into bucket-sized sub-groups and cannot move existing state. Pass an optimizer that has not stepped yet, "
+            "or a callable that builds it, or an 'optimizer' config section"
+        )
+    optimizer.param_groups = []
+    for group in groups:
+        optimizer.add_param_group(group)
+
+
+@contextlib.contextmanager
+def prepare(cfg: FlatgradConfig) -> Iterator[None]:
+    """While active, DeepSpeed's ZeRO-1/2 optimizer is built over bucket-sized sub-groups.
+
+    The seam is the engine module's ``DeepSpeedZeroOptimizer`` name, which
+    ``DeepSpeedEngine._configure_zero_optimizer`` looks up when it builds the
+    optimizer, after DeepSpeed has built the basic optimizer (and its MoE
+    groups) and before anything is flattened.
+    """
+    import deepspeed.runtime.engine as engine_mod
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    current = getattr(engine_mod, "DeepSpeedZeroOptimizer", None)
+    if current is not DeepSpeedZeroOptimizer:
+        raise UnsupportedConfigError(
+            "this DeepSpeed's engine does not build ZeRO-1/2 through deepspeed.runtime.engine.DeepSpeedZeroOptimizer; "
+            "flatgrad's ZeRO-1/2 seam is missing (see DESIGN.md 'DeepSpeed seams')"
+        )
+
+    def build(init_optimizer, param_names, *args, **kwargs):
+        bucket = (
+            cfg.bucket_numel if cfg.bucket_numel is not None else int(kwargs.get("reduce_bucket_size", 500_000_000))
+        )
+        order = {p: k for k, p in enumerate(param_names)}
+        if any(getattr(p, "use_muon", False) for g in init_optimizer.param_groups for p in g["params"]):
+            raise UnsupportedConfigError(
+                "parameters marked use_muon (the Muon optimizer) rewrite gradients while DeepSpeed builds the "
+                "partition, which flatgrad replaces ('optimizer.type')"
+            )
+        before = len(init_optimizer.param_groups)
+        groups, origins = [], []
+        for g, group in enumerate(init_optimizer.param_groups):
+            subs = split_param_groups([group], order, bucket)
+            groups += subs
+            origins += [g] * len(subs)
+        if not groups:
+            raise UnsupportedConfigError(
+                "the optimizer has no trainable parameters with elements; nothing for ZeRO to partition"
+            )
+        _rebuild_optimizer(init_optimizer, groups)
+        logger.info(
+            "flatgrad: %d param group(s) split into %d sub-group(s) of about %d elements", before, len(groups), bucket
+        )
+        zero = DeepSpeedZeroOptimizer(init_optimizer, param_names, *args, **kwargs)
+        zero._flatgrad_origins = (before, origins)
+        return zero
+
+    engine_mod.DeepSpeedZeroOptimizer = build
+    try:
+        yield
+    finally:
+        engine_mod.DeepSpeedZeroOptimizer = current
+
+
+# --------------------------------------------------------------------------- the reduce path
+
+
+def _verify_layout(optimizer: Any, i: int, layout: Layout, rank: int) -> None:
+    """Raise unless ``layout`` is exactly DeepSpeed's flat buffer and partition of sub-group ``i``."""
+    o = optimizer
+    params = o.round_robin_bit16_groups[i]
+
+    def fail(what: str) -> None:
+        raise RuntimeError(
+            f"flatgrad: sub-group {i} ({len(params)} params, {layout.numel_unpadded} elements, world size "
+            f"{layout.world_size}) does not match DeepSpeed's own partitioning: {what}. Refusing to train with "
+            "a gradient layout that differs from the optimizer's."
+        )
+
+    flat = o.bit16_groups_flat[i]
+    if flat.numel() != layout.numel:
+        fail(f"flat buffer has {flat.numel()} elements, layout {layout.numel}")
+    if int(o.partition_size[i]) != layout.shard_numel:
+        fail(f"partition_size {o.partition_size[i]} != shard_numel {layout.shard_numel}")
+    base, size = flat.data_ptr(), flat.element_size()
+    for k, (p, offset) in enumerate(zip(params, layout.offsets)):
+        if p.data_ptr() != base + offset * size:
+            fail(f"param {k} is not at element offset {offset} of the flat buffer")
+    pieces = layout.pieces(rank)
+    in_partition = o.params_in_partition[i]
+    if [id(params[pc.tensor_index]) for pc in pieces] != [id(p) for p in in_partition]:
+        fail(f"params_in_partition of rank {rank} differ from the layout's pieces")
+    if int(o.first_offset[i]) != (pieces[0].tensor_offset if pieces else 0):
+        fail(f"first_offset {o.first_offset[i]} differs")
+    for pc in pieces:
+        pid = o.get_param_id(params[pc.tensor_index])
+        if int(o.grad_partition_insertion_offset[i][rank][pid]) != pc.shard_offset:
+            fail(f"insertion offset of param {pc.tensor_index} differs")
+        if int(o.grad_start_offset[i][rank][pid]) != pc.tensor_offset:
+            fail(f"start offset of param {pc.tensor_index} differs")
+
+
+def _partition_views(
+    shard: torch.Tensor, layout: Layout, rank: int, params: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Per-piece views of ``shard`` in partition order, plus flagged padding, as step() expects."""
+    views: list[torch.Tensor] = []
+    cursor = 0
+    for pc in layout.pieces(rank):
+        if pc.shard_offset > cursor:
+            pad = shard.narrow(0, cursor, pc.shard_offset - cursor)
+            pad._zero_padding = True
+            views.append(pad)
+        view = shard.narrow(0, pc.shard_offset, pc.length)
+        p = params[pc.tensor_index]
+        if pc.tensor_offset == 0 and pc.length == p.numel():
+            view = view.view(p.shape)
+        views.append(view)
+        cursor = pc.shard_offset + pc.length
+    if cursor < layout.shard_numel:
+        pad = shard.narrow(0, cursor, layout.shard_numel - cursor)
+        pad._zero_padding = True
+        views.append(pad)
+    return views
+
+
+class Zero2Reduction:
+    """flatgrad's reduce path inside one ``DeepSpeedZeroOptimizer`` (ZeRO-1 or 2).
+
+    One ``BucketReducer`` per process group (the data-parallel group, and one
+    expert-data-parallel group per MoE group name), one bucket per sub-group.
+    See [Note: ZeRO-2 seams].
+    """
+
+    def __init__(self, optimizer: Any, cfg: FlatgradConfig):
+        import deepspeed.comm as dist
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
+
+        from ...reducer import BucketReducer
+
+        o = optimizer
+        self.optimizer = o
+        self.cfg = cfg
+        align = int(o.nccl_start_alignment_factor)
+        if any(any(pad) for pad in o.round_robin_bit16_padding):
+            raise UnsupportedConfigError(
+                "per-parameter alignment padding ('zero_optimization.parameter_alignment') is not supported by flatgrad"
+            )
+        if getattr(o, "cpu_offload", False):
+            raise UnsupportedConfigError(
+                "optimizer offload ('zero_optimization.offload_optimizer') is not supported by flatgrad"
+            )
+
+        # Scales reproduce stock's arithmetic: with reduce_scatter (the default, and required for
+        # MoE) every gradient, expert ones included, is divided by the data-parallel size before
+        # the sum; without it, by the predivide factor before and the rest after.
+        dp = dist.get_world_size(group=o.dp_process_group) / float(o.sequence_parallel_size)
+        if not o.gradient_average:
+            prescale, postscale = 1.0, 1.0
+        elif o.reduce_scatter or not o.postscale_gradients:
+            prescale, postscale = 1.0 / dp, 1.0
+        else:
+            pd = float(o.gradient_predivide_factor)
+            prescale = 1.0 / pd
+            postscale = pd / dp if pd != dist.get_world_size(group=o.dp_process_group) else 1.0
+        comm_dtype = cfg.torch_comm_dtype() or o.communication_data_type
+
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        self.layouts: list[Layout] = []
+        for i, params in enumerate(o.round_robin_bit16_groups):
+            pg = o.real_dp_process_group[i]
+            layout = Layout.flat([p.numel() for p in params], dist.get_world_size(group=pg), align)
+            _verify_layout(o, i, layout, dist.get_rank(group=pg))
+            self.layouts.append(layout)
+            groups.setdefault(id(pg), (pg, []))[1].append(i)
+        # A reducer launches its buckets strictly in bucket order (collectives match by issue
+        # order), so order each reducer's sub-groups by when they complete in backward: when
+        # their earliest-registered parameter's gradient arrives. Sub-groups of one param group
+        # are in that order already; this interleaves several param groups correctly.
+        position = {id(p): k for k, p in enumerate(o.param_names)}
+        unknown = len(position)
+
+        def completes(i: int) -> int:
+            return -min(position.get(id(p), unknown) for p in o.round_robin_bit16_groups[i])
+
+        for _, indices in groups.values():
+            indices.sort(key=completes)
+
+        self.reducers: list[Any] = []
+        self._slot: list[tuple[Any, int]] = [None] * len(self.layouts)  # type: ignore[list-item]
+        self._reducer_of: dict[int, Any] = {}
+        for pg, indices in groups.values():
+            reducer = BucketReducer(
+                [list(o.round_robin_bit16_groups[i]) for i in indices],
+                process_group=pg,
+                comm_dtype=comm_dtype,
+                layout="flat",
+                align=align,
+                average=False,
+                prescale=prescale,
+                postscale=postscale,
+                backend=cfg.backend,
+                register_hooks=False,
+                method=cfg.reduce_scatter,
+            )
+            for b, i in enumerate(indices):
+                if reducer.layouts[b] != self.layouts[i]:
+                    raise RuntimeError(f"flatgrad: the reducer's layout of sub-group {i} differs from DeepSpeed's")
+                self._slot[i] = (reducer, b)
+                for p in o.round_robin_bit16_groups[i]:
+                    self._reducer_of[id(p)] = reducer
+            self.reducers.append(reducer)
+
+        # The fp32 partitions step() consumes, built once: their views never change.
+        self.partitions = []
+        for i, layout in enumerate(self.layouts):
+            reducer, b = self._slot[i]
+            shard = reducer.grad_shards()[b].shard
+            views = _partition_views(shard, layout, reducer.rank, o.round_robin_bit16_groups[i])
+            self.partitions.append(GradPartitionBufferGroup(views, shard))
+        self._window_open = False
+        self.reductions = 0
+        self.device = torch.device(get_accelerator().current_device_name())
+        # MoE sub-groups by expert group, for the norm (stock averages them over that group).
+        moe: dict[int, tuple[Any, list[int]]] = {}
+        for i, group in enumerate(o.optimizer.param_groups):
+            if o.has_moe_layers and o.is_moe_param_group[i]:
+                pg = o.real_dp_process_group[i]
+                moe.setdefault(id(pg), (pg, []))[1].append(i)
+        self._moe_groups = [
+            (pg, torch.tensor(indices, dtype=torch.long, device=self.device)) for pg, indices in moe.values()
+        ]
+
+    # -- window: the micro-steps whose gradients one step() consumes
+
+    def _open_window(self) -> None:
+        if not self._window_open:
+            for r in self.reducers:
+                r.zero_grad()
+            self._window_open = True
+
+    # -- the replaced seams
+
+    def grad_ready(self, param: torch.nn.Parameter, i: int) -> None:
+        """Replaces ``reduce_independent_p_g_buckets_and_remove_grads``: mark ``param`` ready."""
+        o = self.optimizer
+        if param.numel() == 0:
+            return
+        if not getattr(param, "ds_grad_is_ready", True):
+            return
+        if o.use_grad_accum_attribute and getattr(param, "grad_accum", None) is not None:
+            # ZeRO-1 with a wider accumulation dtype (fp16 params, fp32 grad_accum): the
+            # communication dtype is the narrower one anyway, as in stock.
+            param.grad = param.grad_accum.to(param.dtype)
+            param.grad_accum = None
+        if param.grad is None:
+            return
+        o._maybe_reduce_autoep_folding_tp_gradient(param, param.grad)
+        self._open_window()
+        self._reducer_of[id(param)].mark_ready(param)
+
+    def epilogue(self) -> None:
+        """Replaces ``independent_gradient_partition_epilogue``: finish, and hand over at the boundary."""
+        o = self.optimizer
+        self._open_window()
+        for r in self.reducers:
+            r.finish()  # every bucket launched, so every param.grad is dropped (stock: _clear_param_grad_only)
+        self.reductions += 1
+        if o.is_gradient_accumulation_boundary():
+            self._hand_over()
+        o._release_ipg_buffers()  # the next backward counts a new micro-step (setup_buckets)
+        o._epilogue_ran_this_backward = True
+
+    def finalize(self) -> None:
+        """Replaces ``finalize_gradient_accumulation_boundary`` (``managed_gradient_accumulation: false``)."""
+        self.optimizer.set_gradient_accumulation_boundary(True)
+        if self._window_open:
+            self._hand_over()
+
+    def setup_buckets(self) -> None:
+        """Replaces ``setup_buckets``: count the micro-step, allocate no IPG bucket (flatgrad has its own)."""
+        o = self.optimizer
+        if not o.ready_for_gradients:
+            o.micro_step_id += 1
+            o.ready_for_gradients = True
+
+    def _hand_over(self) -> None:
+        o = self.optimizer
+        for i, partition in enumerate(self.partitions):
+            o.averaged_gradients[i] = partition
+        self._window_open = False
+
+    def load_universal(self, lp_groups_name: str, checkpoint_dir: str) -> None:
+        """Replaces ``load_hp_checkpoint_state_from_checkpoint_dir`` (universal checkpoints).
+
+        DeepSpeed pairs the optimizer's param groups with the saved ones by
+        position and silently skips groups past the saved count. A checkpoint
+        saved without flatgrad has the unsplit groups, so each sub-group is
+        paired with the group it was split from; per-parameter state (fp32
+        weights, moments, step) comes from the per-parameter files as usual.
+        """
+        from deepspeed.runtime.base_optimizer import _get_universal_checkpoint_ep_info
+        from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank
+        from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+        o = self.optimizer
+        zero_dir = os.path.join(checkpoint_dir, "zero")
+        path = os.path.join(zero_dir, "optimizer_state.pt")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} (the universal checkpoint's optimizer state) is missing")
+        optim_sd = torch.load(path, weights_only=False)
+        o._load_global_state(optim_sd)
+        saved = optim_sd["param_groups"]
+        groups = o.optimizer.param_groups
+        unsplit, origins = getattr(o, "_flatgrad_origins", (len(groups), list(range(len(groups)))))
+        if len(saved) == len(groups):
+            pairing = list(range(len(groups)))
+        elif len(saved) == unsplit:
+            pairing = list(origins)
+        elif all(
+            {k: v for k, v in g.items() if k != "params"} == {k: v for k, v in saved[0].items() if k != "params"}
+            for g in saved
+        ):
+            pairing = [0] * len(groups)
+        else:
+            raise RuntimeError(
+                f"flatgrad: the universal checkpoint has {len(saved)} param groups with different hyperparameters; "
+                f"this optimizer has {len(groups)} sub-groups split from {unsplit} groups, and no pairing is certain"
+            )
+        tp_rank = bwc_tensor_model_parallel_rank(mpu=o.mpu)
+        if o.mpu is None:
+            tp_world_size = 1
+        elif hasattr(o.mpu, "get_slice_parallel_world_size"):
+            tp_world_size = o.mpu.get_slice_parallel_world_size()
+        else:
+            tp_world_size = o.mpu.get_tensor_model_parallel_world_size()
+        ep_rank, ep_size = _get_universal_checkpoint_ep_info()
+        lp_groups = getattr(o, lp_groups_name)
+        for i, (group, j) in enumerate(zip(groups, pairing)):
+            keys, steps = set(), []
+            for lp in lp_groups[i]:
+                if lp._hp_mapping is None:
+                    continue
+                step = lp.load_hp_checkpoint_state(
+                    os.path.join(zero_dir, o.param_names[lp]), tp_rank, tp_world_size, ep_rank=ep_rank, ep_size=ep_size
+                )
+                keys.update(lp._hp_mapping.get_optim_state_keys())
+                steps.append(step)
+            hp_param = group["params"][0]
+            if steps and any(step != steps[0] for step in steps):
+                raise RuntimeError(f"flatgrad: sub-group {i} restored unequal optimizer steps {steps}")
+            if steps and steps[0] is not None:
+                o.optimizer.state[hp_param]["step"] = steps[0]
+            map_to_flat_opt_states(hp_param, lp_groups[i], o.optimizer.state, keys)
+            for key, value in saved[j].items():
+                if key != "params":
+                    group[key] = value
+
+    def scaled_global_norm(self, norm_type: float = 2) -> torch.Tensor:
+        """Replaces ``scaled_global_norm``: stock's gradient norm with one all_reduce for all sub-groups.
+
+        Stock reduces every param group's squared norm with a scalar all_reduce
+        (and each MoE group's again over its expert group); with bucket-sized
+        sub-groups that is one collective per sub-group per step. The same
+        per-group sums, in the same arithmetic, go into one vector all_reduce
+        here (plus one per expert group), then through stock's masking and
+        combination, so the norm (and clipping, and the overflow decision) is
+        stock's.
+        """
+        import deepspeed.comm as dist
+        from deepspeed.runtime.constants import PIPE_REPLICATED
+        from deepspeed.runtime.utils import (
+            combine_grad_norm_groups,
+            is_model_parallel_parameter,
+            mask_nan_or_inf_with_val_inplace,
+        )
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        o = self.optimizer
+        if norm_type != 2:
+            raise ValueError(f"only the L2 gradient norm is supported, got norm_type={norm_type}")
+        norm_dtype = get_norm_dtype()
+        sums = []
+        for i in range(len(o.bit16_groups)):
+            grads = (g for g in o.averaged_gradients[i] if not getattr(g, "_zero_padding", False))
+            norms = [
+                torch.linalg.vector_norm(g.data.to(norm_dtype).detach(), ord=2.0)
+                for g, p in zip(grads, o.params_in_partition[i])
+                if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
+                and (is_model_parallel_parameter(p) or o.model_parallel_rank == 0)
+            ]
+            sums.append(
+                torch.stack(norms).pow(2.0).sum().float()
+                if norms
+                else torch.zeros((), dtype=torch.float32, device=self.device)
+            )
+        total = torch.stack(sums)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=o.dp_process_group)
+        o._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        total = total.pow(1.0 / 2.0)
+        mask_nan_or_inf_with_val_inplace(total, device=self.device)
+        if o.has_moe_layers:
+            for pg, indices in self._moe_groups:
+                scaled = total[indices] * 1.0 / dist.get_world_size(group=pg)
+                dist.all_reduce(scaled, group=pg)
+                total[indices] = scaled
+        return combine_grad_norm_groups(list(total.unbind()), norm_type=2)
+
+    def install(self) -> None:
+        o = self.optimizer
+        o.reduce_independent_p_g_buckets_and_remove_grads = self.grad_ready
+        o.independent_gradient_partition_epilogue = self.epilogue
+        o.finalize_gradient_accumulation_boundary = self.finalize
+        o.setup_buckets = self.setup_buckets
+        o.load_hp_checkpoint_state_from_checkpoint_dir = self.load_universal
+        o.scaled_global_norm = self.scaled_global_norm
+        o._release_ipg_buffers()
+        o._flatgrad = self
+
+
+_SEAMS = (
+    "reduce_independent_p_g_buckets_and_remove_grads",
+    "independent_gradient_partition_epilogue",
+    "finalize_gradient_accumulation_boundary",
+    "setup_buckets",
+    "load_hp_checkpoint_state_from_checkpoint_dir",
+    "scaled_global_norm",
+    "averaged_gradients",
+    "round_robin_bit16_groups",
+    "params_in_partition",
+    "first_offset",
+    "partition_size",
+)
+
+
+def install(engine: Any, cfg: FlatgradConfig) -> Zero2Reduction:
+    """Install flatgrad's reduce path into a ZeRO-1/2 engine built under ``prepare``."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    o = engine.optimizer
+    if type(o) is not DeepSpeedZeroOptimizer:
+        raise UnsupportedConfigError(
+            f"flatgrad's ZeRO-1/2 backend needs DeepSpeed's DeepSpeedZeroOptimizer, the engine built {type(o).__name__}"
+        )
+    missing = [name for name in _SEAMS if not hasattr(o, name)]
+    if missing:
+        from .config import deepspeed_version
+
+        raise UnsupportedConfigError(
+            f"DeepSpeed {'.'.join(map(str, deepspeed_version()))} lacks the ZeRO-1/2 seams {missing} flatgrad replaces"
+        )
+    reduction = Zero2Reduction(o, cfg)
+    reduction.install()
+    return reduction

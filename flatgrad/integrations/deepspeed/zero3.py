@@ -1,0 +1,378 @@
+"""flatgrad's reduce path inside a DeepSpeed ZeRO-3 optimizer (DeepSpeed 0.19.x).
+
+ZeRO-3 already partitions every parameter into ``ceil(numel / W)`` chunks, which
+is exactly ``Layout.chunked(numels, W)``; so flatgrad keeps DeepSpeed's buckets,
+partitions, checkpoints and step, and replaces only the per-bucket copies.
+
+[Note: ZeRO-3 reduce path]
+Stock DeepSpeed, per IPG bucket: copy every grad into the IPG buffer, re-pack
+the buffer with padding (``torch.cat`` in ``reduce_scatter_coalesced``), divide
+it by W, one ``reduce_scatter``, then one copy or add per parameter into the
+grad partitions (``__param_id_to_grad_partition``), after a cast per parameter
+when the accumulation dtype differs from the comm dtype.
+
+flatgrad, per the same bucket (same parameters, same order, same collective):
+1. ``__add_grad_to_ipg_bucket`` only books the parameter; the grad stays where
+   autograd put it (no IPG copy).
+2. ``__reduce_and_partition_ipg_grads``: one fused ``pack`` from the grads into
+   the rank-aligned buffer (the IPG buffer when it is large enough), casting to
+   the comm dtype and dividing by W; one ``reduce_scatter`` of the buffer onto
+   this rank's segment; one fused ``unpack`` of that segment into the grad
+   partitions, casting to their dtype, copying on micro-step 0 and adding
+   afterwards.
+
+Bitwise equality with stock (fp32 and bf16, any world size; tested):
+* the division is folded into pack's scale only where a multiply by 1/W gives
+  the bits of stock's divide (W a power of two and the grads already in the
+  comm dtype); otherwise the buffer is divided in place, as stock does;
+* the reduce_scatter is the one stock issues (``reduce_scatter_tensor``), so
+  every element is summed in the same order: the ``"flatgrad"`` section's
+  ``reduce_scatter: "auto"`` means that here. ``"list"`` (gloo's native
+  reduce_scatter, faster on CPU) sums in another order on more than 2 ranks;
+* accumulation adds in fp32 and rounds once, which is what ``add_`` does
+  whenever the comm dtype converts to the partition dtype exactly; otherwise
+  the segment is cast first, as stock does.
+
+Everything else is DeepSpeed's own: bucket boundaries, the stream the work runs
+on and the reduce events, ``param.grad`` freed after the reduction, the bucket
+reset, micro-step bookkeeping, the gradient norm and the overflow check (they
+read the partitions afterwards). ``comm_dtype`` and ``bucket_numel`` of the
+``"flatgrad"`` section act as ``communication_data_type`` and
+``reduce_bucket_size`` do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import torch
+
+from ... import comm
+from ...kernels import pack, unpack
+from ...layout import Layout
+from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version
+
+__all__ = ["check_supported", "install", "Zero3Reducer"]
+
+_PREFIX = "_DeepSpeedZeroOptimizer_Stage3__"
+_ADD_GRAD = _PREFIX + "add_grad_to_ipg_bucket"
+_REDUCE = _PREFIX + "reduce_and_partition_ipg_grads"
+_GRAD_PARTITIONS = _PREFIX + "param_id_to_grad_partition"
+_ATTR = "flatgrad_zero3"
+
+_OFFLOAD_DEVICES = ("cpu", "nvme")
+
+
+def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = config.get(key) or {}
+    return value if isinstance(value, Mapping) else {}
+
+
+def _device(offload: Any) -> str:
+    if isinstance(offload, Mapping):
+        return str(offload.get("device", "none") or "none").lower()
+    return "none"
+
+
+def check_supported(ds_config: Mapping[str, Any]) -> None:
+    """Refuse ZeRO-3 configs whose gradient path flatgrad does not replace correctly.
+
+    ``ds_config`` is the DeepSpeed config without the ``"flatgrad"`` section.
+    Raises ``UnsupportedConfigError`` naming the feature and its config key.
+    """
+    zero = _section(ds_config, "zero_optimization")
+    stage = zero.get("stage", 0)
+    if stage != 3:
+        raise UnsupportedConfigError(f"flatgrad's ZeRO-3 backend needs zero_optimization.stage=3, got {stage!r}")
+    refusals = []
+    # Parameter offload moves only the parameters' partitions; the gradient path is unchanged, so it is supported.
+    device = _device(zero.get("offload_optimizer"))
+    if device in _OFFLOAD_DEVICES:
+        kind = "CPU" if device == "cpu" else "NVMe"
+        refusals.append(
+            f"{kind} optimizer offload (zero_optimization.offload_optimizer.device={device!r}): the grad partitions "
+            "live off the accelerator and DeepSpeed moves and norms them in its own per-parameter path"
+        )
+    if zero.get("cpu_offload"):
+        refusals.append("CPU optimizer offload (zero_optimization.cpu_offload=true)")
+    if zero.get("zero_quantized_gradients"):
+        refusals.append(
+            "qgZ quantized gradients (zero_optimization.zero_quantized_gradients=true): DeepSpeed reduces them "
+            "with its own quantized all-to-all"
+        )
+    if zero.get("zenflow") is not None:
+        refusals.append("ZenFlow (zero_optimization.zenflow): it selects and transposes gradients in the IPG bucket")
+    if zero.get("reduce_scatter", True) is False:
+        refusals.append(
+            "all-reduce gradient averaging (zero_optimization.reduce_scatter=false): flatgrad always "
+            "reduce-scatters; remove the key"
+        )
+    if _section(ds_config, "compile").get("deepcompile"):
+        refusals.append("DeepCompile (compile.deepcompile=true): it installs its own ZeRO-3 gradient hooks")
+    if _section(ds_config, "expert_parallel").get("enabled"):
+        refusals.append(
+            "AutoEP (expert_parallel.enabled=true): expert gradients are averaged over a different world size"
+        )
+    if refusals:
+        raise UnsupportedConfigError("flatgrad's ZeRO-3 backend does not support: " + "; ".join(refusals))
+
+
+class _Plan(NamedTuple):
+    """Everything static about one bucket composition (same parameters, same order)."""
+
+    layout: Layout
+    group: Any
+    rank: int
+    comm_dtype: torch.dtype
+    pack_scale: float
+    divide_after: bool  # divide the packed buffer by world_size in place (stock's arithmetic)
+    ds_ids: tuple[int, ...]  # parameters with data in this rank's segment, in segment order
+    lengths: tuple[int, ...]  # their piece lengths
+
+
+class Zero3Reducer:
+    """The replacement of one ZeRO-3 optimizer's IPG bucket reduction; see [Note: ZeRO-3 reduce path].
+
+    Attributes:
+        optimizer: the ``DeepSpeedZeroOptimizer_Stage3`` it serves.
+        config: the ``FlatgradConfig``.
+        plans: ``{(comm_dtype, ds_ids): _Plan}``, one per bucket composition seen.
+    """
+
+    def __init__(self, optimizer: Any, config: FlatgradConfig) -> None:
+        from deepspeed import comm as dist
+        from deepspeed.accelerator import get_accelerator
+
+        self.optimizer = optimizer
+        self.config = config
+        self.plans: dict[tuple, _Plan] = {}
+        self._dist = dist
+        self._accelerator = get_accelerator()
+        self._comm_dtype = config.torch_comm_dtype()
+        self._method = "tensor" if config.reduce_scatter == "auto" else config.reduce_scatter
+        self._outs: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
+
+    # -- the two seams ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def add_grad_to_ipg_bucket(self, param: torch.nn.Parameter) -> None:
+        """Book ``param`` into its bucket without copying its grad (pack reads it in place)."""
+        opt, acc = self.optimizer, self._accelerator
+        if not acc.resolves_data_dependency():
+            # The pack on the reduce stream reads this grad, produced on the compute stream.
+            opt.reduce_and_partition_stream.wait_stream(acc.current_stream())
+        bucket = opt.ipg_buckets[opt.get_param_comm_dtype(param)]
+        bucket.params.append(param)
+        bucket.process_group = opt._get_param_partition_group(param)
+        bucket.elements += param.grad.numel()
+
+    @torch.no_grad()
+    def reduce_and_partition_ipg_grads(self, communication_data_type: torch.dtype) -> None:
+        """Reduce one IPG bucket: fused pack -> one reduce_scatter -> fused unpack into the partitions."""
+        opt, acc = self.optimizer, self._accelerator
+        bucket = opt.ipg_buckets[communication_data_type]
+        params = bucket.params
+        if not params:
+            return
+        opt._assert_same_partition_group(params)
+        for param in params:
+            if param.grad.numel() != param.ds_numel:
+                raise RuntimeError(
+                    f"{param.grad.numel()} != {param.ds_numel}: cannot reduce-scatter a gradient whose size "
+                    f"differs from its parameter's (ds_id {param.ds_id})"
+                )
+        if len({p.ds_id for p in params}) != len(params):
+            raise RuntimeError("a ZeRO-3 IPG bucket holds the same parameter twice")
+
+        events = opt.param_reduce_events
+        while events and events[0].query():
+            events.popleft()
+        if len(events) > opt.max_param_reduce_events:
+            events.popleft().synchronize()
+
+        with acc.stream(opt.reduce_and_partition_stream):
+            if opt.enable_sanity_checks:
+                from deepspeed.runtime.utils import assert_ints_same_as_other_ranks
+
+                assert_ints_same_as_other_ranks([p.ds_id for p in params])
+            params.sort(key=lambda p: p.ds_id)
+            plan = self._plan(params, communication_data_type)
+            self._reduce(plan, params, bucket.buffer)
+            opt._offload_boundary_param_ids.update(plan.ds_ids)
+            synchronized = acc.is_synchronized_device()
+            for param in params:
+                if not synchronized:
+                    param.grad.record_stream(acc.current_stream())
+                param.grad = None
+            params.clear()
+            bucket.elements = 0
+            bucket.process_group = None
+            if not acc.handles_memory_backpressure():
+                event = acc.Event()
+                event.record()
+                events.append(event)
+
+    # -- plan and reduction ---------------------------------------------------------------------
+
+    def _plan(self, params: Sequence[torch.nn.Parameter], bucket_dtype: torch.dtype) -> _Plan:
+        key = (bucket_dtype, tuple(p.ds_id for p in params))
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._build_plan(params, bucket_dtype)
+        return plan
+
+    def _build_plan(self, params: Sequence[torch.nn.Parameter], bucket_dtype: torch.dtype) -> _Plan:
+        opt, dist = self.optimizer, self._dist
+        group = opt._get_param_partition_group(params[0])
+        world_size = dist.get_world_size(group=group)
+        rank = dist.get_rank(group=group)
+        if opt._gradient_averaging_world_size(params, world_size) != world_size:
+            raise RuntimeError("a ZeRO-3 bucket averages over another world size (AutoEP); install() refuses those")
+        layout = Layout.chunked([p.ds_numel for p in params], world_size)
+        for p, chunk in zip(params, layout.chunk_numels):
+            if p.partition_numel() != chunk:
+                raise RuntimeError(
+                    f"ZeRO-3 partition of ds_id {p.ds_id} has {p.partition_numel()} elements; flatgrad's chunked "
+                    f"layout expects ceil({p.ds_numel}/{world_size}) = {chunk}"
+                )
+        comm_dtype = self._comm_dtype or bucket_dtype
+        power_of_two = world_size & (world_size - 1) == 0
+        # x * (1/W) has the bits of x / W only for a power-of-two W, and only without a cast before it.
+        fused = power_of_two and all(p.dtype == comm_dtype for p in params)
+        pieces = layout.pieces(rank)
+        return _Plan(
+            layout=layout,
+            group=group,
+            rank=rank,
+            comm_dtype=comm_dtype,
+            pack_scale=1.0 / world_size if fused else 1.0,
+            divide_after=not fused,
+            ds_ids=tuple(params[p.tensor_index].ds_id for p in pieces),
+            lengths=tuple(p.length for p in pieces),
+        )
+
+    def _grad_partitions(self, plan: _Plan) -> list[torch.Tensor]:
+        """Views of this rank's grad partitions for ``plan``'s pieces, cached while DeepSpeed keeps them."""
+        opt = self.optimizer
+        partitions = getattr(opt, _GRAD_PARTITIONS)
+        stamp = (id(partitions), opt.grad_partitions_flat_buffer.data_ptr())
+        key = (plan.comm_dtype, plan.ds_ids)
+        cached = self._outs.get(key)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        outs = [partitions[ds_id].narrow(0, 0, n) for ds_id, n in zip(plan.ds_ids, plan.lengths)]
+        self._outs[key] = (stamp, outs)
+        return outs
+
+    def _reduce(self, plan: _Plan, params: Sequence[torch.nn.Parameter], ipg_buffer: torch.Tensor | None) -> None:
+        layout = plan.layout
+        grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+        device = grads[0].device
+        if (
+            ipg_buffer is not None
+            and ipg_buffer.dtype == plan.comm_dtype
+            and ipg_buffer.device == device
+            and ipg_buffer.numel() >= layout.numel
+        ):
+            buffer = ipg_buffer.narrow(0, 0, layout.numel)
+        else:
+            buffer = torch.empty(layout.numel, dtype=plan.comm_dtype, device=device)
+        backend = self.config.backend
+        pack(grads, layout, out=buffer, scale=plan.pack_scale, backend=backend)
+        if plan.divide_after:
+            buffer.div_(layout.world_size)
+        shard = buffer.narrow(0, plan.rank * layout.shard_numel, layout.shard_numel)
+        comm.reduce_scatter(shard, buffer, group=plan.group, method=self._method)
+        if not plan.ds_ids:
+            return
+        outs = self._grad_partitions(plan)
+        out_dtype = outs[0].dtype
+        if shard.dtype != out_dtype and out_dtype != torch.float32:
+            shard = shard.to(out_dtype)  # stock adds after this cast; see [Note: ZeRO-3 reduce path]
+        unpack(shard, layout, plan.rank, outs, accumulate=self.optimizer.micro_step_id != 0, backend=backend)
+
+
+# What the replacement seams call or read on the optimizer, besides the seams themselves.
+_METHODS = ("get_param_comm_dtype", "_get_param_partition_group", "_assert_same_partition_group",
+            "_gradient_averaging_world_size")
+_STATE = ("ipg_buckets", "param_reduce_events", "max_param_reduce_events", "reduce_and_partition_stream",
+          "micro_step_id", "grad_partitions_flat_buffer", "_offload_boundary_param_ids", "enable_sanity_checks")
+
+
+def _check_seams(opt: Any) -> None:
+    """Refuse a DeepSpeed whose ZeRO-3 optimizer lacks what flatgrad replaces or relies on, naming the version."""
+    cls = type(opt)
+    missing = [name for name in (_ADD_GRAD, _REDUCE) + _METHODS if not callable(getattr(cls, name, None))]
+    missing += [name for name in _STATE if not hasattr(opt, name)]
+    if not isinstance(getattr(opt, _GRAD_PARTITIONS, None), dict):
+        missing.append(_GRAD_PARTITIONS)
+    if missing:
+        version = ".".join(map(str, deepspeed_version()))
+        raise UnsupportedConfigError(
+            f"DeepSpeed {version}: {cls.__name__} lacks {missing}, which flatgrad's ZeRO-3 backend replaces or "
+            "uses (DESIGN.md 'DeepSpeed seams'); it is written against DeepSpeed 0.19.8"
+        )
+
+
+def _resize_ipg_buffers(opt: Any, cfg: FlatgradConfig) -> None:
+    """Give the IPG buffers (flatgrad's pack target) the bucket size and comm dtype flatgrad will use."""
+    dtype = cfg.torch_comm_dtype()
+    for bucket in opt.ipg_buckets.values():
+        buffer = bucket.buffer
+        if buffer is None:
+            continue
+        want = (opt.reduce_bucket_size, dtype or buffer.dtype)
+        if (buffer.numel(), buffer.dtype) != want:
+            bucket.buffer = torch.empty(want[0], dtype=want[1], device=buffer.device)
+
+
+def install(engine: Any, cfg: FlatgradConfig) -> None:
+    """Install flatgrad's reduce path into ``engine``'s ZeRO-3 optimizer (nothing when disabled).
+
+    Call after ``deepspeed.initialize`` and before the first backward. The two
+    seams become instance attributes of the optimizer, and the ``Zero3Reducer``
+    stays reachable as ``engine.optimizer.flatgrad_zero3``. Raises
+    ``UnsupportedConfigError`` for engines it cannot serve.
+    """
+    if not cfg.enabled:
+        return
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    opt = getattr(engine, "optimizer", None)
+    if type(opt) is not DeepSpeedZeroOptimizer_Stage3:
+        if opt is None or type(opt).__name__ == "DeepSpeedZeRoOffload":
+            why = (
+                "no optimizer was given (no 'optimizer' config section, no client optimizer), so DeepSpeed reduces "
+                "no gradients"
+            )
+        else:
+            why = "SuperOffload (zero_optimization.offload_optimizer.super_offload) and subclasses are not supported"
+        raise UnsupportedConfigError(
+            f"flatgrad's ZeRO-3 backend needs a DeepSpeedZeroOptimizer_Stage3; the engine has "
+            f"{type(opt).__name__}: {why}"
+        )
+    if getattr(opt, _ATTR, None) is not None:
+        raise RuntimeError("flatgrad's ZeRO-3 backend is already installed on this optimizer")
+    _check_seams(opt)
+    if opt.offload_optimizer:
+        raise UnsupportedConfigError(
+            "flatgrad's ZeRO-3 backend does not support CPU/NVMe optimizer offload "
+            "(zero_optimization.offload_optimizer)"
+        )
+    if not opt.reduce_scatter:
+        raise UnsupportedConfigError("flatgrad's ZeRO-3 backend needs zero_optimization.reduce_scatter=true")
+    if getattr(opt, "zenflow", False):
+        raise UnsupportedConfigError("flatgrad's ZeRO-3 backend does not support ZenFlow (zero_optimization.zenflow)")
+    if opt.all2all_process_group is not None:
+        raise UnsupportedConfigError(
+            "flatgrad's ZeRO-3 backend does not support qgZ (zero_optimization.zero_quantized_gradients)"
+        )
+    if any(getattr(p, "ds_zero_placement_family", None) == "autoep_expert" for g in opt.fp16_groups for p in g):
+        raise UnsupportedConfigError("flatgrad's ZeRO-3 backend does not support AutoEP (expert_parallel.enabled)")
+    reducer = Zero3Reducer(opt, cfg)
+    if cfg.bucket_numel is not None:
+        opt.reduce_bucket_size = cfg.bucket_numel
+    _resize_ipg_buffers(opt, cfg)
+    setattr(opt, _ADD_GRAD, reducer.add_grad_to_ipg_bucket)
+    setattr(opt, _REDUCE, reducer.reduce_and_partition_ipg_grads)
+    setattr(opt, _ATTR, reducer)

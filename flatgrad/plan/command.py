@@ -1,0 +1,113 @@
+"""``flatgrad plan``: the per-backward gradient collectives of stock DeepSpeed and of flatgrad, without GPUs.
+
+Builds the model on the meta device, replays DeepSpeed 0.19.8's and flatgrad's
+bucketing for every world size asked for, and prints calls, sizes, bytes per
+rank, padding and a modelled time (text; ``--json`` and ``--plot`` as well).
+
+    flatgrad plan gpt2-xl --world-size 128 1024
+    flatgrad plan seed-moe --world-size 8 --bucket 1000000 --stage 2
+    flatgrad plan mypackage.models:build --model-arg layers=4 --json plan.json --plot plan.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from . import models, report, schedules
+from .cost import CostModel
+
+__all__ = ["add_arguments", "run_from_args"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(float(text)) if "e" in text.lower() else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` options."""
+    parser.add_argument("model", help=f"one of {', '.join(models.MODELS)}, or module:factory (a callable returning an nn.Module)")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for the model's factory (repeatable), e.g. n_layer=4")
+    parser.add_argument("--world-size", "-w", type=_positive_int, nargs="+", default=[128, 1024],
+                        help="data-parallel world sizes (default: 128 1024)")
+    parser.add_argument("--bucket", type=_positive_int, default=500_000_000,
+                        help="zero_optimization.reduce_bucket_size in elements (default 5e8, DeepSpeed's); "
+                             "flatgrad's sub-group size as well")
+    parser.add_argument("--stage", choices=("2", "3", "all"), default="all", help="ZeRO stage(s) to plan (default: all)")
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16",
+                        help="training dtype of the parameters and gradients (default bf16)")
+    parser.add_argument("--comm-dtype", choices=tuple(_DTYPES), default=None,
+                        help="communication_data_type (default: --dtype)")
+    parser.add_argument("--use-multi-rank-bucket-allreduce", choices=("true", "false", "both"), default="both",
+                        help="stock ZeRO-2's mode: all_reduce per bucket (true, DeepSpeed's default) or one reduce "
+                             "per destination rank (false); default: both")
+    parser.add_argument("--rank", type=int, default=0, help="the rank whose view to show (destinations, expert groups)")
+    parser.add_argument("--order", choices=("auto", "trace", "reverse"), default="auto",
+                        help="backward hook order: traced on the meta device (auto, when the model can run there) "
+                             "or reverse registration")
+    link = parser.add_argument_group("link model (alpha-beta; defaults from public nccl-tests and NCCL figures, see flatgrad/plan/cost.py)")
+    defaults = CostModel()
+    link.add_argument("--nvlink-busbw", type=float, default=defaults.nvlink_busbw_gbps, metavar="GB/s")
+    link.add_argument("--ib-busbw", type=float, default=defaults.ib_busbw_gbps, metavar="GB/s")
+    link.add_argument("--alpha-us", type=float, default=defaults.alpha_us, help="fixed latency per call")
+    link.add_argument("--nvlink-hop-us", type=float, default=defaults.nvlink_hop_us, help="latency per ring step inside a node")
+    link.add_argument("--ib-hop-us", type=float, default=defaults.ib_hop_us, help="latency per ring step between nodes")
+    link.add_argument("--gpus-per-node", type=_positive_int, default=defaults.gpus_per_node)
+    parser.add_argument("--json", metavar="FILE", help="write the full report, every call included, as JSON ('-' for stdout)")
+    parser.add_argument("--plot", metavar="FILE.png", help="write a chart: calls, modelled time, call sizes")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run ``flatgrad plan``; returns the exit status (2 on bad input, with the reason on stderr)."""
+    try:
+        cost = CostModel(
+            nvlink_busbw_gbps=args.nvlink_busbw, ib_busbw_gbps=args.ib_busbw, alpha_us=args.alpha_us,
+            nvlink_hop_us=args.nvlink_hop_us, ib_hop_us=args.ib_hop_us, gpus_per_node=args.gpus_per_node,
+        )  # fmt: skip
+        kwargs = models.parse_model_args(args.model_arg)
+        stages = (2, 3) if args.stage == "all" else (int(args.stage),)
+        spec = models.load(args.model, order=args.order, zero3=3 in stages, **kwargs)
+        modes = {"true": (True,), "false": (False,), "both": (False, True)}[args.use_multi_rank_bucket_allreduce]
+        dtype = _DTYPES[args.dtype]
+        comm_dtype = _DTYPES[args.comm_dtype] if args.comm_dtype else None
+        runs = []
+        for world_size in args.world_size:
+            if not 0 <= args.rank < world_size:
+                raise ValueError(f"--rank {args.rank} is not a rank of world size {world_size}")
+            runs.append((world_size, schedules(
+                spec, world_size, stages=stages, bucket_numel=args.bucket, dtype=dtype, comm_dtype=comm_dtype,
+                multi_rank_modes=modes, rank=args.rank,
+            )))  # fmt: skip
+    except (ValueError, TypeError) as exc:
+        print(f"flatgrad plan: error: {exc}", file=sys.stderr)
+        return 2
+    config = {
+        "dtype": args.dtype, "comm_dtype": args.comm_dtype or args.dtype, "bucket": f"{args.bucket:,} elements",
+        "rank": args.rank,
+    }  # fmt: skip
+    doc = report.json_report(spec, runs, cost, config)
+    if args.json == "-":
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(report.text_report(spec, runs, cost, config))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+            print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(args.plot, spec, runs, cost)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0

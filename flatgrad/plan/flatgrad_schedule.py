@@ -1,0 +1,142 @@
+"""flatgrad's per-backward gradient collectives under DeepSpeed ZeRO-2 and ZeRO-3, computed without processes.
+
+[Note: flatgrad ZeRO-2 schedule]
+``flatgrad.integrations.deepspeed.zero2`` splits every DeepSpeed param group,
+in reverse registration order, into sub-groups of about ``bucket_numel``
+elements (``split_param_groups``, reused here, not re-implemented). DeepSpeed
+flattens each sub-group and pads it to a multiple of ``p * 2``, which is
+``Layout.flat(numels, p, align=2)``: one ``reduce_scatter`` of ``layout.numel``
+elements per sub-group over its process group (none when the group has one
+rank). One ``BucketReducer`` serves each process group; it launches its
+buckets strictly in order, ordered by when their earliest-registered
+parameter's gradient arrives, and a bucket goes as soon as it and every
+earlier bucket are complete. The schedule replays the backward hook order
+through that rule, then the epilogue's ``finish()`` (reducer by reducer)
+launches whatever is left.
+
+[Note: flatgrad ZeRO-3 schedule]
+``flatgrad.integrations.deepspeed.zero3`` keeps DeepSpeed's IPG buckets and
+issues the collective stock issues (one ``reduce_scatter`` of the chunked,
+per-parameter padded bucket), so the calls are stock ZeRO-3's; what changes is
+the copies around them (one fused pack and unpack instead of the IPG copy, the
+``torch.cat`` re-pack, the divide and the per-parameter copies), which this
+model of the network does not count. A one-rank group issues no collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Layout
+from .groups import param_groups, process_group
+from .models import ModelSpec
+from .schedule import Collective, Schedule
+from .stock import NCCL_START_ALIGNMENT_FACTOR, check_args, zero3_buckets, zero3_unavailable
+
+__all__ = ["flatgrad_zero2", "flatgrad_zero3", "sub_groups"]
+
+
+def sub_groups(spec: ModelSpec, bucket_numel: int) -> list[tuple[int, list[int]]]:
+    """flatgrad's ZeRO-2 sub-groups: ``(index of the DeepSpeed param group, parameter indices in layout order)``."""
+    from ..integrations.deepspeed.zero2 import split_param_groups
+
+    if len(spec.parameters) != len(spec.params):
+        raise ValueError("the ModelSpec carries no parameter objects; build it with flatgrad.plan.models.describe")
+    order = {p: i for i, p in enumerate(spec.parameters)}
+    index = {id(p): i for i, p in enumerate(spec.parameters)}
+    out = []
+    for g, group in enumerate(param_groups(spec)):
+        subs = split_param_groups([{"params": [spec.parameters[i] for i in group.params]}], order, bucket_numel)
+        out += [(g, [index[id(p)] for p in sub["params"]]) for sub in subs]
+    return out
+
+
+def flatgrad_zero2(
+    spec: ModelSpec,
+    world_size: int,
+    *,
+    bucket_numel: int = 500_000_000,
+    dtype: torch.dtype | None = None,
+    comm_dtype: torch.dtype | None = None,
+    rank: int = 0,
+) -> Schedule:
+    """flatgrad's ZeRO-2 collectives in one backward on ``rank``. See [Note: flatgrad ZeRO-2 schedule]."""
+    check_args(spec, world_size, rank, bucket_numel)
+    comm_dtype = comm_dtype or dtype or spec.dtype
+    groups = param_groups(spec)
+    subs = sub_groups(spec, bucket_numel)
+    registration = {i: k for k, i in enumerate(p.index for p in spec.params)}
+
+    # One reducer per process group, in order of first appearance; its buckets ordered by completion.
+    reducers: dict[str | None, list[int]] = {}
+    for s, (g, _) in enumerate(subs):
+        reducers.setdefault(groups[g].expert_group, []).append(s)
+    for indices in reducers.values():
+        indices.sort(key=lambda s: -min(registration[i] for i in subs[s][1]))
+    bucket_of = {i: s for s, (_, params) in enumerate(subs) for i in params}
+
+    layouts, ranks = [], []
+    for g, params in subs:
+        group = process_group(world_size, rank, groups[g].ep_size)
+        ranks.append(group)
+        layouts.append(Layout.flat([spec.params[i].numel for i in params], len(group), NCCL_START_ALIGNMENT_FACTOR))
+
+    calls: list[Collective] = []
+
+    def launch(s: int) -> None:
+        if len(ranks[s]) > 1:
+            layout = layouts[s]
+            calls.append(Collective("reduce_scatter", layout.numel, comm_dtype, ranks[s], payload=layout.numel_unpadded))
+
+    pending = [len(params) for _, params in subs]
+    launched = {name: 0 for name in reducers}
+    for i in spec.backward_order:
+        if i not in bucket_of:
+            continue
+        s = bucket_of[i]
+        pending[s] -= 1
+        name = groups[subs[s][0]].expert_group
+        order = reducers[name]
+        while launched[name] < len(order) and pending[order[launched[name]]] == 0:
+            launch(order[launched[name]])
+            launched[name] += 1
+    for name, order in reducers.items():
+        for s in order[launched[name] :]:
+            launch(s)
+
+    return Schedule(
+        name="flatgrad ZeRO-2",
+        key="flatgrad_zero2",
+        world_size=world_size,
+        rank=rank,
+        calls=tuple(calls),
+        note="one reduce_scatter per bucket-sized sub-group; every rank owns 1/p of every bucket",
+    )
+
+
+def flatgrad_zero3(
+    spec: ModelSpec,
+    world_size: int,
+    *,
+    bucket_numel: int = 500_000_000,
+    dtype: torch.dtype | None = None,
+    comm_dtype: torch.dtype | None = None,
+    rank: int = 0,
+) -> Schedule:
+    """flatgrad's ZeRO-3 collectives in one backward. See [Note: flatgrad ZeRO-3 schedule]."""
+    check_args(spec, world_size, rank, bucket_numel)
+    comm_dtype = comm_dtype or dtype or spec.dtype
+    name, key = "flatgrad ZeRO-3", "flatgrad_zero3"
+    reason = zero3_unavailable(spec)
+    if reason is not None:
+        return Schedule(name, key, world_size, rank, (), unavailable=reason)
+    world = range(world_size)
+    calls = []
+    if world_size > 1:
+        for bucket in zero3_buckets(spec, bucket_numel):
+            layout = Layout.chunked([spec.params[i].numel for i in bucket], world_size)
+            calls.append(Collective("reduce_scatter", layout.numel, comm_dtype, world, payload=layout.numel_unpadded))
+    return Schedule(
+        name, key, world_size, rank, tuple(calls),
+        note="stock's buckets and collectives; one fused pack and unpack replace the copies around them",
+    )  # fmt: skip

@@ -1,0 +1,296 @@
+"""Shared helpers for the DeepSpeed integration tests: launching real ranks, models, configs, training.
+
+Every multi-rank test spawns real processes that join a gloo group on
+127.0.0.1 and run real DeepSpeed with ``DS_ACCELERATOR=cpu``. A rank function
+is a module-level function ``fn(rank, world_size, *args)``; its return value
+(anything picklable, tensors on CPU) comes back to the test, one per rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Callable, Self
+
+import _dist
+import torch
+
+__all__ = [
+    "MLP",
+    "CollectiveCounter",
+    "SeedMoE",
+    "count_collectives",
+    "ds_config",
+    "launch",
+    "make_batches",
+    "train",
+]
+
+
+# --------------------------------------------------------------------------- launching
+
+# DeepSpeed's engine imports torch._dynamo and compiles Muon's decorators on
+# first use: ~20 s of CPU per process. The ranks of ``_dist.run_ranks`` fork
+# from one forkserver, so preloading these there pays that once per session.
+_DS_PRELOAD = [
+    "torch._dynamo",
+    "deepspeed",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "deepspeed.moe.layer",
+]
+for _name in _DS_PRELOAD:
+    if _name not in _dist.PRELOAD:
+        _dist.PRELOAD.append(_name)
+
+
+def _ds_rank(rank: int, world_size: int, fn: Callable, args: tuple) -> Any:
+    """A rank's DeepSpeed setup (CPU accelerator, no shm op, ``deepspeed.comm`` over the group), then ``fn``."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu",
+    )  # fmt: skip
+    import logging
+
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    return fn(rank, world_size, *args)
+
+
+def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` with DeepSpeed on ``world_size`` real gloo ranks; results by rank."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return _dist.run_ranks(
+        _ds_rank, world_size, fn, args, timeout=timeout, pg_timeout=timedelta(seconds=max(60.0, timeout))
+    )
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def ds_config(
+    stage: int = 2,
+    *,
+    gas: int = 1,
+    micro_batch: int = 2,
+    world_size: int = 2,
+    bucket: int = 1000,
+    clip: float = 0.0,
+    dtype: str = "fp32",
+    lr: float = 1e-2,
+    optimizer: bool = True,
+    flatgrad: dict | None = None,
+    **zero: Any,
+) -> dict:
+    """A small DeepSpeed config for CPU tests (torch Adam from the config unless ``optimizer=False``)."""
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro_batch * gas * world_size,
+        "steps_per_print": 10**9,
+        "gradient_clipping": clip,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 10**8, **zero},
+    }
+    if optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": True}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8}
+    if flatgrad is not None:
+        cfg["flatgrad"] = flatgrad
+    return cfg
+
+
+# --------------------------------------------------------------------------- models
+
+
+class MLP(torch.nn.Module):
+    """A small MLP with odd-sized parameters so that partitions straddle parameters.
+
+    ``unused=True`` adds a parameter that never gets a gradient; ``frozen=True``
+    freezes the first layer.
+    """
+
+    def __init__(
+        self,
+        d_in: int = 13,
+        hidden: int = 37,
+        d_out: int = 5,
+        layers: int = 3,
+        unused: bool = False,
+        frozen: bool = False,
+    ):
+        super().__init__()
+        dims = [d_in] + [hidden] * (layers - 1) + [d_out]
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.scale = torch.nn.Parameter(torch.ones(d_out))
+        if unused:
+            self.unused = torch.nn.Linear(7, 3)
+        if frozen:
+            for p in self.layers[0].parameters():
+                p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i + 1 < len(self.layers):
+                x = torch.tanh(x)
+        return torch.nn.functional.mse_loss(x * self.scale, y)
+
+
+class SeedMoE(torch.nn.Module):
+    """The model of the ZeRO-2 seed thread (DESIGN.md "The seed model"), optionally scaled down.
+
+    ``hidden=1000, num_experts=16, ep_size=4`` is the thread's model: 10,026,000
+    trainable parameters per rank.
+    """
+
+    def __init__(self, hidden: int = 1000, num_experts: int = 16, ep_size: int = 4):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.fc1 = torch.nn.Linear(hidden, hidden)
+        self.fc2 = torch.nn.Linear(hidden, hidden)
+
+        class SimpleExpert(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = torch.nn.Linear(hidden, hidden)
+                self.fc2 = torch.nn.Linear(hidden, hidden)
+
+            def forward(self, x):
+                return self.fc2(torch.relu(self.fc1(x)))
+
+        self.moe = MoE(hidden_size=hidden, expert=SimpleExpert(), num_experts=num_experts, ep_size=ep_size, k=1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(torch.relu(self.fc1(x)))
+        out, aux, _ = self.moe(h)
+        return torch.nn.functional.mse_loss(out, y) + 0.01 * aux
+
+
+def make_batches(
+    rank: int, n: int, micro_batch: int, d_in: int, d_out: int, seed: int = 1234
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` deterministic micro-batches, different on every rank."""
+    g = torch.Generator().manual_seed(seed + 7919 * rank)
+    return [
+        (torch.randn(micro_batch, d_in, generator=g), torch.randn(micro_batch, d_out, generator=g)) for _ in range(n)
+    ]
+
+
+def train(
+    engine,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype | None = None,
+    backward_counter: CollectiveCounter | None = None,
+) -> list[float]:
+    """One forward/backward/step per micro-batch; returns the losses (floats).
+
+    ``backward_counter`` counts the collectives of the backward passes only.
+    """
+    losses = []
+    for x, y in batches:
+        if dtype is not None:
+            x, y = x.to(dtype), y.to(dtype)
+        loss = engine(x, y)
+        if backward_counter is None:
+            engine.backward(loss)
+        else:
+            with backward_counter:
+                engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+    return losses
+
+
+def params_of(engine) -> dict[str, torch.Tensor]:
+    """The engine's module parameters, detached fp32 copies by name."""
+    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+# --------------------------------------------------------------------------- counting collectives
+
+
+class CollectiveCounter:
+    """Counts collective calls in this rank process, each call once.
+
+    DeepSpeed's own collectives are counted at ``deepspeed.comm`` (DeepSpeed
+    keeps its own references to torch's functions); flatgrad's, which use
+    ``torch.distributed`` directly, at ``torch.distributed``. A call through
+    ``deepspeed.comm`` that reaches ``torch.distributed`` counts once, under
+    the outer name. ``calls[name]`` lists ``(numel, dtype)`` per call.
+    """
+
+    NAMES = (
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_reduce",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_to_all_single",
+        "broadcast",
+        "all_reduce_coalesced",
+    )
+
+    def __init__(self):
+        self.calls: dict[str, list[tuple[int, torch.dtype | None]]] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._depth = 0
+
+    def __enter__(self) -> Self:
+        import deepspeed.comm as ds_comm
+        import torch.distributed as torch_dist
+
+        for module in (ds_comm, torch_dist):
+            for name in self.NAMES:
+                fn = getattr(module, name, None)
+                if fn is None:
+                    continue
+                self._saved.append((module, name, fn))
+                setattr(module, name, self._wrap(name, fn))
+        return self
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            if self._depth == 0:
+                values = list(args) + list(kwargs.values())
+                tensors = [a for a in values if isinstance(a, torch.Tensor)]
+                lists = [a for a in values if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+                if lists:  # list forms: count the list (the input of reduce_scatter, the output of all_gather)
+                    numel, dtype = sum(t.numel() for t in lists[-1]), lists[-1][0].dtype
+                elif tensors:
+                    numel, dtype = max(t.numel() for t in tensors), tensors[0].dtype
+                else:
+                    numel, dtype = 0, None
+                self.calls.setdefault(name, []).append((numel, dtype))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return wrapper
+
+    def __exit__(self, *exc) -> None:
+        for module, name, fn in reversed(self._saved):
+            setattr(module, name, fn)
+        self._saved.clear()
+
+    def count(self, name: str) -> int:
+        return len(self.calls.get(name, []))
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+def count_collectives() -> CollectiveCounter:
+    """A context manager counting ``deepspeed.comm`` collectives in this rank process."""
+    return CollectiveCounter()

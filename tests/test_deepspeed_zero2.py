@@ -1,0 +1,665 @@
+"""flatgrad's DeepSpeed ZeRO-1/2 backend against stock DeepSpeed: real DeepSpeed, CPU accelerator, gloo ranks.
+
+Every multi-rank test trains stock and flatgrad engines from the same seed in
+the same rank processes and compares them; see ``tests/_ds.py`` for the
+launcher, models and configs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from _ds import MLP, SeedMoE, count_collectives, ds_config, launch, make_batches, params_of, train
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.multiproc
+
+D_IN, D_OUT = 13, 5
+
+
+def _initializers():
+    import deepspeed
+
+    import flatgrad.deepspeed as fds
+
+    return {"stock": deepspeed.initialize, "flatgrad": fds.initialize}
+
+
+def _engine(kind: str, cfg: dict, model: torch.nn.Module | None = None, seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    model = model if model is not None else MLP()
+    engine, *_ = _initializers()[kind](model=model, model_parameters=list(model.parameters()), config=cfg, **kwargs)
+    return engine
+
+
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest per-tensor ``max|a - b| / max|a|`` over the named tensors."""
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)).item() for k in a)
+
+
+def _losses_rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------- sub-group splitting (no ranks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 40), min_size=1, max_size=14),
+    bucket=st.integers(1, 60),
+    frozen=st.sets(st.integers(0, 13)),
+    groups=st.integers(1, 3),
+)
+def test_split_param_groups_backward_order_and_sizes(numels, bucket, frozen, groups):
+    from flatgrad.integrations.deepspeed.zero2 import split_param_groups
+
+    params = [torch.nn.Parameter(torch.zeros(n), requires_grad=i not in frozen) for i, n in enumerate(numels)]
+    order = {p: i for i, p in enumerate(params)}
+    param_groups = [
+        {"params": params[g::groups], "lr": 0.1 * (g + 1), "name": f"g{g}", "moe": g == 1} for g in range(groups)
+    ]
+    param_groups = [g for g in param_groups if g["params"]]
+    subs = split_param_groups(param_groups, order, bucket)
+    k = 0
+    for g in param_groups:
+        trainable = [p for p in g["params"] if p.requires_grad and p.numel() > 0]
+        mine = []
+        previous = None
+        while k < len(subs) and subs[k]["name"] == g["name"]:
+            sub = subs[k]
+            if previous is not None:  # a sub-group closes only when at least half full and the next param overflows it
+                closed = sum(p.numel() for p in previous)
+                assert 2 * closed >= bucket and closed + sub["params"][0].numel() > bucket
+            previous = sub["params"]
+            assert {key: v for key, v in sub.items() if key != "params"} == {
+                key: v for key, v in g.items() if key != "params"
+            }
+            size = sum(p.numel() for p in sub["params"])
+            assert sub["params"] and (size <= bucket or 2 * (size - sub["params"][-1].numel()) < bucket)
+            mine += sub["params"]
+            k += 1
+        # Backward order (reverse registration), every trainable param exactly once, nothing else.
+        assert [id(p) for p in mine] == [id(p) for p in sorted(trainable, key=lambda p: -order[p])]
+    assert k == len(subs)
+
+
+def test_split_param_groups_puts_unregistered_params_last():
+    from flatgrad.integrations.deepspeed.zero2 import split_param_groups
+
+    registered = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    stray = torch.nn.Parameter(torch.zeros(2))
+    subs = split_param_groups([{"params": [stray, *registered]}], {p: i for i, p in enumerate(registered)}, 100)
+    assert [id(p) for p in subs[0]["params"]] == [id(p) for p in (*registered[::-1], stray)]
+
+
+def test_split_param_groups_rejects_bad_bucket():
+    from flatgrad.integrations.deepspeed.zero2 import split_param_groups
+
+    with pytest.raises(ValueError, match="bucket_numel"):
+        split_param_groups([{"params": [torch.nn.Parameter(torch.zeros(3))]}], {}, 0)
+
+
+# --------------------------------------------------------------------------- fp32 equivalence
+
+
+def _equivalence_rank(rank, world_size, cases):
+    out = []
+    for case in cases:
+        stage, clip, gas, *extra = case
+        zero, top = (extra + [{}, {}])[:2]
+        batches = make_batches(rank, 10 * gas, 2, D_IN, D_OUT)
+        result = {}
+        for kind in ("stock", "flatgrad"):
+            cfg = ds_config(stage, gas=gas, world_size=world_size, bucket=500, clip=clip, **zero)
+            cfg.update(top)
+            engine = _engine(kind, cfg)
+            counter = count_collectives()  # backward passes only
+            if top.get("managed_gradient_accumulation") is False:
+                losses = []  # the caller owns the boundary: gas backwards, then one step()
+                for k, (x, y) in enumerate(batches):
+                    loss = engine(x, y)
+                    with counter:
+                        engine.backward(loss)
+                    losses.append(float(loss.detach()))
+                    if (k + 1) % gas == 0:
+                        engine.step()
+            else:
+                losses = train(engine, batches, backward_counter=counter)
+            reduction = getattr(engine.optimizer, "_flatgrad", None)
+            used = {
+                "reductions": reduction.reductions if reduction is not None else 0,
+                "reduce_scatters": counter.count("reduce_scatter"),
+                "gradient_collectives": sum(
+                    1 for name in ("all_reduce", "reduce") for n, _ in counter.calls.get(name, []) if n > 1
+                ),
+            }
+            result[kind] = (losses, params_of(engine), len(engine.optimizer.bit16_groups), used)
+        out.append(result)
+    return out
+
+
+# Stage, clipping, accumulation steps, extra zero_optimization keys, extra top-level keys.
+_BITWISE_CASES = [
+    (2, 0.0, 2),
+    (1, 0.0, 2),
+    (2, 0.0, 2, {"overlap_comm": True}),
+    (1, 0.0, 2, {"overlap_comm": True}),
+    (2, 0.0, 2, {"round_robin_gradients": True}),
+    (2, 0.0, 2, {"reduce_scatter": False}, {"gradient_predivide_factor": 4.0}),
+    (2, 0.0, 2, {}, {"managed_gradient_accumulation": False}),
+]
+
+
+@pytest.mark.timeout(150)
+def test_fp32_bitwise_equal_to_stock_on_two_ranks():
+    """ZeRO-2 and ZeRO-1 (and their options), 10 steps, accumulation 2, no clipping: losses and parameters bitwise."""
+    results = launch(_equivalence_rank, 2, _BITWISE_CASES)
+    for rank_results in results:
+        for case, r in zip(_BITWISE_CASES, rank_results):
+            (s_loss, s_par, s_groups, s_used), (f_loss, f_par, f_groups, f_used) = r["stock"], r["flatgrad"]
+            assert s_groups == 1 and f_groups > 1, case  # flatgrad really split the group
+            # ... and reduced: one finish per backward (ZeRO-1: per boundary), one reduce_scatter per
+            # sub-group each time, no gradient all_reduce or reduce (stock issues those).
+            finishes = 10 if case[0] == 1 else 10 * case[2]
+            assert f_used["reductions"] == finishes, (case, f_used)
+            assert f_used["reduce_scatters"] == finishes * f_groups, (case, f_used)
+            assert f_used["gradient_collectives"] == 0 and s_used["gradient_collectives"] > 0, (case, f_used, s_used)
+            assert f_loss == s_loss, case
+            for name in s_par:
+                assert torch.equal(f_par[name], s_par[name]), (case, name)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "world_size,cases",
+    [(2, [(2, 0.05, 2), (1, 0.05, 2)]), (4, [(2, 0.0, 2), (2, 0.05, 2), (1, 0.05, 2)])],
+    ids=["2ranks-clip", "4ranks"],
+)
+def test_fp32_close_to_stock_with_clipping_and_on_four_ranks(world_size, cases):
+    """Clipping (a norm summed in another order) and 4 ranks (another summation order): within 1e-6."""
+    for rank_results in launch(_equivalence_rank, world_size, cases, timeout=180):
+        for (stage, clip, _), r in zip(cases, rank_results):
+            (s_loss, s_par, *_), (f_loss, f_par, *_) = r["stock"], r["flatgrad"]
+            assert _losses_rel(s_loss, f_loss) <= 1e-6, (stage, clip)
+            assert _max_rel(s_par, f_par) <= 1e-6, (stage, clip)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _collectives_rank(rank, world_size, stage, gas):
+    batches = make_batches(rank, 3 * gas, 2, D_IN, D_OUT)
+    out = {}
+    for kind in ("stock", "flatgrad"):
+        engine = _engine(kind, ds_config(stage, gas=gas, world_size=world_size, bucket=500))
+        per_backward, per_step = [], []
+        with count_collectives() as counter:
+            for i, (x, y) in enumerate(batches):
+                loss = engine(x, y)
+                counter.reset()
+                engine.backward(loss)
+                per_backward.append({k: list(v) for k, v in counter.calls.items()})
+                counter.reset()
+                engine.step()
+                per_step.append({k: list(v) for k, v in counter.calls.items()})
+        out[kind] = (per_backward, len(engine.optimizer.bit16_groups), per_step)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [2, 1])
+def test_one_reduce_scatter_per_sub_group_and_no_reduce(stage):
+    """Counted at deepspeed.comm (and torch.distributed): one reduce_scatter per sub-group per reduction."""
+    gas = 2
+    for r in launch(_collectives_rank, 2, stage, gas):
+        stock, _, stock_steps = r["stock"]
+        flat, n_sub, flat_steps = r["flatgrad"]
+        # step(): the gradient norm costs one all_reduce for all sub-groups, as for stock's one group.
+        for s_calls, f_calls in zip(stock_steps, flat_steps):
+            assert len(f_calls.get("all_reduce", [])) == len(s_calls.get("all_reduce", [])), (s_calls, f_calls)
+        assert n_sub > 1
+        # The counter sees DeepSpeed's own gradient collectives (so the zeros below mean something).
+        assert any(
+            numel > 1 for calls in stock for name in ("all_reduce", "reduce") for numel, _ in calls.get(name, [])
+        )
+        for i, calls in enumerate(flat):
+            reduces = stage == 2 or (i + 1) % gas == 0  # ZeRO-1 reduces at the accumulation boundary only
+            assert len(calls.get("reduce_scatter", [])) == (n_sub if reduces else 0), (i, calls)
+            assert "reduce" not in calls and "reduce_scatter_tensor" not in calls
+            assert all(numel <= 1 for numel, _ in calls.get("all_reduce", [])), calls["all_reduce"]
+
+
+# --------------------------------------------------------------------------- bf16
+
+
+def _bf16_rank(rank, world_size):
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    # Inputs and initial weights exactly representable in bf16, so that the fp32 run starts where
+    # the bf16 runs do; SGD, so that parameter errors add up linearly (Adam's normalisation makes
+    # tiny gradient differences on near-zero elements chaotic).
+    batches = [(x.bfloat16().float(), y.bfloat16().float()) for x, y in make_batches(rank, 40, 2, D_IN, D_OUT)]
+    out = {}
+    for name, kind, dtype in (("fp32", "stock", "fp32"), ("stock", "stock", "bf16"), ("flatgrad", "flatgrad", "bf16")):
+        torch.manual_seed(0)
+        model = MLP(hidden=64)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
+        cfg = ds_config(2, gas=4, world_size=world_size, bucket=1000, dtype=dtype, optimizer=False)
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05}}
+        cfg["zero_allow_untested_optimizer"] = True
+        engine = _engine(kind, cfg, model=model)
+        train(engine, batches, dtype=torch.bfloat16 if dtype == "bf16" else None)
+        out[name] = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    distance = {
+        k: sum(((out[k][n] - out["fp32"][n]) ** 2).sum() for n in out["fp32"]).sqrt().item()
+        for k in ("stock", "flatgrad")
+    }
+    return distance
+
+
+@pytest.mark.timeout(120)
+def test_bf16_fp32_accumulation_is_at_least_as_close_to_fp32_as_stock():
+    """10 steps, accumulation 4: flatgrad accumulates in fp32, stock in bf16."""
+    for distance in launch(_bf16_rank, 2):
+        assert distance["flatgrad"] <= distance["stock"], distance
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_rank(rank, world_size, root):
+    import deepspeed.comm as dist
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    batches = make_batches(rank, 20, 2, D_IN, D_OUT)
+    cfg = ds_config(2, gas=2, world_size=world_size, bucket=500)
+    engine = _engine("flatgrad", cfg)
+    train(engine, batches[:10])
+    path = os.path.join(root, "flatgrad")
+    engine.save_checkpoint(path, tag="step5")
+    at_save = params_of(engine)
+    continued = train(engine, batches[10:])
+    final = params_of(engine)
+    dist.barrier()
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(path, tag="step5") if rank == 0 else None
+    resumed = _engine("flatgrad", cfg, seed=1)  # other initial weights: all must come from the checkpoint
+    resumed.load_checkpoint(path, tag="step5")
+    resumed_losses = train(resumed, batches[10:])
+    return {
+        "continued": continued,
+        "final": final,
+        "at_save": at_save,
+        "consolidated": consolidated,
+        "resumed_losses": resumed_losses,
+        "resumed_final": params_of(resumed),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_round_trip_continues_bitwise_and_zero_to_fp32_gives_live_weights(tmp_path):
+    results = launch(_checkpoint_rank, 2, str(tmp_path))
+    for r in results:
+        assert r["resumed_losses"] == r["continued"]
+        for name, p in r["final"].items():
+            assert torch.equal(r["resumed_final"][name], p), name
+    consolidated = results[0]["consolidated"]
+    assert consolidated.keys() == results[0]["at_save"].keys()
+    for name, p in results[0]["at_save"].items():
+        assert torch.equal(consolidated[name].float(), p), name
+
+
+def _universal_rank(rank, world_size, root, src, dst):
+    import deepspeed.comm as dist
+    from deepspeed.checkpoint import ds_to_universal
+
+    batches = make_batches(rank, 20, 2, D_IN, D_OUT)
+    cfg = ds_config(2, gas=2, world_size=world_size, bucket=500)
+    engine = _engine(src, cfg)
+    train(engine, batches[:10])
+    path = os.path.join(root, f"{src}_to_{dst}")
+    engine.save_checkpoint(path, tag="step5")
+    reference = train(engine, batches[10:])
+    reference_final = params_of(engine)
+    dist.barrier()
+    if rank == 0:
+        args = types.SimpleNamespace(
+            input_folder=os.path.join(path, "step5"), output_folder=os.path.join(path, "step5_universal"),
+            num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+        )  # fmt: skip
+        ds_to_universal.main(args)
+    dist.barrier()
+    cfg_universal = dict(cfg, checkpoint={"load_universal": True})
+    resumed = _engine(dst, cfg_universal, seed=1)
+    resumed.load_checkpoint(path, tag="step5_universal")
+    losses = train(resumed, batches[10:])
+    return reference, reference_final, losses, params_of(resumed), len(resumed.optimizer.bit16_groups)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("src,dst", [("stock", "flatgrad"), ("flatgrad", "stock")])
+def test_universal_checkpoint_moves_between_stock_and_flatgrad(tmp_path, src, dst):
+    """Stock ZeRO-2 checkpoints resume under flatgrad (other param groups) and vice versa, bitwise."""
+    for reference, reference_final, losses, final, groups in launch(_universal_rank, 2, str(tmp_path), src, dst):
+        assert (groups > 1) == (dst == "flatgrad")
+        assert losses == reference
+        for name, p in reference_final.items():
+            assert torch.equal(final[name], p), name
+
+
+# --------------------------------------------------------------------------- unused and frozen parameters
+
+
+def _unused_frozen_rank(rank, world_size):
+    out = []
+    for stage in (2, 1):
+        batches = make_batches(rank, 8, 2, D_IN, D_OUT)
+        result = {}
+        for kind in ("stock", "flatgrad"):
+            torch.manual_seed(0)
+            model = MLP(unused=True, frozen=True)
+            engine = _engine(kind, ds_config(stage, gas=2, world_size=world_size, bucket=300), model=model)
+            result[kind] = (train(engine, batches), params_of(engine))
+        out.append(result)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_unused_and_frozen_parameters_match_stock_bitwise():
+    for rank_results in launch(_unused_frozen_rank, 2):
+        for r in rank_results:
+            (s_loss, s_par), (f_loss, f_par) = r["stock"], r["flatgrad"]
+            assert f_loss == s_loss
+            for name in s_par:
+                assert torch.equal(f_par[name], s_par[name]), name
+            # Frozen weights never move; the unused layer only decays.
+            assert torch.equal(f_par["layers.0.weight"], s_par["layers.0.weight"])
+
+
+# --------------------------------------------------------------------------- the seed MoE model
+
+
+def _moe_rank(rank, world_size, steps):
+    from deepspeed.utils import safe_get_full_grad
+
+    from flatgrad import Layout
+    from flatgrad.integrations.deepspeed import zero2
+
+    batches = make_batches(rank, steps, 4, 1000, 1000)
+    out = {}
+    for kind in ("stock", "flatgrad"):
+        torch.manual_seed(0)
+        model = SeedMoE()
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        engine = _engine(kind, ds_config(2, micro_batch=4, world_size=world_size, bucket=10**6), model=model)
+        optimizer = engine.optimizer
+        losses, grads, calls = [], None, []
+        with count_collectives() as counter:
+            for i, (x, y) in enumerate(batches):
+                loss = engine(x, y)
+                counter.reset()
+                engine.backward(loss)
+                calls.append({k: list(v) for k, v in counter.calls.items()})
+                counter.reset()
+                if i == 0:
+                    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+                engine.step()
+                losses.append(float(loss.detach()))
+        groups = [(bool(g.get("moe", False)), g.get("name")) for g in optimizer.optimizer.param_groups]
+        wrong_layout_refused = None
+        if kind == "flatgrad":
+            # The install-time check can fail: a layout over another world size is refused.
+            params = optimizer.round_robin_bit16_groups[0]
+            wrong = Layout.flat([p.numel() for p in params], 2 * optimizer.partition_count[0], 2)
+            try:
+                zero2._verify_layout(optimizer, 0, wrong, 0)
+                wrong_layout_refused = False
+            except RuntimeError as exc:
+                wrong_layout_refused = "does not match DeepSpeed" in str(exc)
+        out[kind] = {
+            "losses": losses,
+            "grads": grads,
+            "calls": calls,
+            "groups": groups,
+            "n_params": n_params,
+            "refused": wrong_layout_refused,
+        }
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_seed_moe_model_on_four_ranks():
+    """The seed thread's model: 10,026,000 params per rank, 16 experts, ep_size 4 (expert groups of 1 rank)."""
+    for r in launch(_moe_rank, 4, 3, timeout=170):
+        stock, flat = r["stock"], r["flatgrad"]
+        assert flat["n_params"] == 10_026_000
+        assert flat["refused"] is True
+        # Expert sub-groups keep their MoE group name; the dense ones theirs.
+        assert (
+            {name for moe, name in flat["groups"] if moe}
+            == {name for moe, name in stock["groups"] if moe}
+            == {"ep_size_4"}
+        )
+        n_dense = sum(1 for moe, _ in flat["groups"] if not moe)
+        assert len(flat["groups"]) > len(stock["groups"])
+        # First-step gradients (same weights on both) agree to summation order; losses follow.
+        assert _max_rel(stock["grads"], flat["grads"]) <= 1e-6
+        assert _losses_rel(stock["losses"], flat["losses"]) <= 1e-5
+        for calls in flat["calls"]:
+            # One reduce_scatter per dense sub-group; expert groups have one rank here: no collective.
+            assert len(calls.get("reduce_scatter", [])) == n_dense, calls.keys()
+            assert "reduce" not in calls
+            assert all(numel <= 1 for numel, _ in calls.get("all_reduce", []))
+
+
+# --------------------------------------------------------------------------- optimizers and schedulers
+
+
+def _client_rank(rank, world_size):
+    batches = make_batches(rank, 12, 2, D_IN, D_OUT)
+    out = {}
+    for kind, init in _initializers().items():
+        # A client optimizer object (rebuilt over the sub-groups) and a client scheduler callable.
+        torch.manual_seed(0)
+        model = MLP()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        engine, zero, _, scheduler = init(
+            model=model, optimizer=optimizer, config=ds_config(2, gas=2, world_size=world_size, bucket=500, optimizer=False),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
+        )  # fmt: skip
+        client = (train(engine, batches), params_of(engine), len(scheduler.base_lrs), len(zero.param_groups),
+                  sorted({g["lr"] for g in zero.param_groups}))  # fmt: skip
+        # A scheduler DeepSpeed builds from the config sees the sub-groups.
+        torch.manual_seed(0)
+        cfg = ds_config(2, gas=2, world_size=world_size, bucket=500)
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4},
+        }
+        engine, zero, _, scheduler = init(model=MLP(), config=cfg, model_parameters=None)
+        lrs = []
+        for x, y in batches:
+            engine.backward(engine(x, y))
+            engine.step()
+            lrs.append(sorted({g["lr"] for g in zero.param_groups}))
+        out[kind] = {
+            "client": client,
+            "lrs": lrs,
+            "scheduler_groups": len(scheduler.optimizer.param_groups),
+            "groups": len(zero.param_groups),
+        }
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_client_optimizer_is_rebuilt_and_schedulers_see_the_sub_groups():
+    for r in launch(_client_rank, 2):
+        stock, flat = r["stock"], r["flatgrad"]
+        (s_loss, s_par, _, s_groups, s_lr), (f_loss, f_par, f_lrs, f_groups, f_lr) = stock["client"], flat["client"]
+        assert s_groups == 1 and f_groups > 1
+        assert f_lrs == f_groups  # the callable scheduler was built over the sub-groups
+        assert f_loss == s_loss and f_lr == s_lr
+        for name in s_par:
+            assert torch.equal(f_par[name], s_par[name]), name
+        assert flat["scheduler_groups"] == flat["groups"] > 1
+        assert flat["lrs"] == stock["lrs"]  # one lr, the same every step, in every sub-group
+
+
+# --------------------------------------------------------------------------- refusals (no ranks needed)
+
+
+def _cfg_with(stage: int = 2, **changes) -> dict:
+    cfg = ds_config(stage)
+    for dotted, value in changes.items():
+        node = cfg
+        keys = dotted.split("__")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return cfg
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "cfg,key",
+    [
+        (
+            _cfg_with(zero_optimization__offload_optimizer={"device": "cpu"}),
+            "zero_optimization.offload_optimizer.device",
+        ),
+        (_cfg_with(zero_optimization__cpu_offload=True), "zero_optimization.cpu_offload"),
+        (_cfg_with(zero_optimization__zenflow={"topk_ratio": 0.1}), "zero_optimization.zenflow"),
+        (_cfg_with(zero_optimization__parameter_alignment=True), "zero_optimization.parameter_alignment"),
+        (_cfg_with(compile={"deepcompile": True}), "compile.deepcompile"),
+        (_cfg_with(torch_autocast={"enabled": True}), "torch_autocast.enabled"),
+        (_cfg_with(optimizer={"type": "Muon", "params": {"lr": 0.01}}), "optimizer.type"),
+        (_cfg_with(sequence_parallel_size=2), "sequence_parallel_size"),
+        (_cfg_with(1, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), "data_types.grad_accum_dtype"),
+        (_cfg_with(0), "zero_optimization.stage"),
+        (_cfg_with(flatgrad={"bucket_numell": 10}), "bucket_numell"),
+    ],
+    ids=[
+        "offload",
+        "cpu_offload",
+        "zenflow",
+        "alignment",
+        "deepcompile",
+        "autocast",
+        "muon",
+        "sequence",
+        "bf16-zero1",
+        "stage0",
+        "typo",
+    ],
+)
+def test_unsupported_configs_are_refused_at_initialize_naming_the_key(cfg, key):
+    import flatgrad.deepspeed as fds
+
+    with pytest.raises(fds.UnsupportedConfigError) as info:
+        fds.initialize(model=MLP(), config=cfg)
+    assert key in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_client_optimizer_with_state_and_bound_scheduler_are_refused():
+    import flatgrad.deepspeed as fds
+
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(fds.UnsupportedConfigError, match="lr_scheduler"):
+        fds.initialize(model=model, optimizer=optimizer, config=ds_config(2, bucket=100, optimizer=False),
+                       lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))  # fmt: skip
+    model(*make_batches(0, 1, 2, D_IN, D_OUT)[0]).backward()
+    optimizer.step()
+    with pytest.raises(fds.UnsupportedConfigError, match="already has state"):
+        fds.initialize(model=model, optimizer=optimizer, config=ds_config(2, optimizer=False))
+
+
+# --------------------------------------------------------------------------- patch() and pass-through
+
+
+def _patch_rank(rank, world_size):
+    import logging
+
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    import flatgrad.deepspeed as fds
+
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("flatgrad.deepspeed").addHandler(Capture())
+    original = deepspeed.initialize
+    fds.patch()
+    fds.patch()  # idempotent
+    out = {"patched": deepspeed.initialize is not original and fds.is_patched()}
+    batch = make_batches(rank, 1, 2, D_IN, D_OUT)
+    routed = {}
+    for name, cfg in (
+        ("stage2", ds_config(2, world_size=world_size, bucket=500)),
+        ("stage0", ds_config(0, world_size=world_size, flatgrad={"bucket_numel": 100})),
+        ("disabled", ds_config(2, world_size=world_size, flatgrad={"enabled": False})),
+    ):
+        torch.manual_seed(0)
+        model = MLP()
+        before = len(records)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        train(engine, batch)
+        routed[name] = (hasattr(engine.optimizer, "_flatgrad"), records[before:])
+    out["routed"] = routed
+    fds.unpatch()
+    out["restored"] = deepspeed.initialize is original and not fds.is_patched()
+    try:
+        fds.initialize(
+            model=PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1),
+            config=ds_config(2, world_size=world_size),
+        )
+        out["pipeline"] = None
+    except fds.UnsupportedConfigError as exc:
+        out["pipeline"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_patch_routes_initialize_and_passes_unhandled_configs_through_with_one_log_line():
+    for r in launch(_patch_rank, 2):
+        assert r["patched"] and r["restored"]
+        flatgrad_on, logs = r["routed"]["stage2"]
+        assert flatgrad_on and logs == []
+        for name, key in (("stage0", "zero_optimization.stage"), ("disabled", "flatgrad.enabled")):
+            flatgrad_on, logs = r["routed"][name]
+            assert not flatgrad_on
+            assert len(logs) == 1 and "stock DeepSpeed" in logs[0] and key in logs[0], logs
+        assert r["pipeline"] is not None and "PipelineModule" in r["pipeline"]
+
+
+@pytest.mark.timeout(120)
+def test_environment_variable_patches_on_import():
+    code = "import flatgrad, deepspeed; print(getattr(deepspeed.initialize, '__flatgrad_patched__', False))"
+    env = dict(os.environ, FLATGRAD_DEEPSPEED="1", DS_ACCELERATOR="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH")) if p
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"
+    env["FLATGRAD_DEEPSPEED"] = "yes"
+    done = subprocess.run(
+        [sys.executable, "-c", "import flatgrad"], env=env, capture_output=True, text=True, timeout=100, check=False
+    )
+    assert done.returncode != 0 and "FLATGRAD_DEEPSPEED" in done.stderr

@@ -1,0 +1,498 @@
+"""flatgrad's ZeRO-3 backend against stock DeepSpeed ZeRO-3 (real DeepSpeed, CPU, gloo, 2 and 4 ranks).
+
+Every rank function trains stock and flatgrad from the same seed in the same
+process, so one launch compares both. Comparisons are bitwise: flatgrad keeps
+stock's arithmetic (see [Note: ZeRO-3 reduce path] in
+``flatgrad/integrations/deepspeed/zero3.py``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _ds import MLP, CollectiveCounter, ds_config, launch, make_batches
+
+D_IN, HIDDEN, D_OUT = 13, 37, 5
+MICRO_BATCH = 2
+GAS = 2
+STEPS = 5
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+# Small buckets: several buckets per backward, a parameter larger than a bucket
+# (37 x 37), parameters that leave some ranks without data (5 elements on 4 ranks).
+ZERO_CASES = {
+    "partitioned": {"bucket": 1000, "stage3_param_persistence_threshold": 0},
+    "persistent": {"bucket": 1000, "clip": 1.0},
+    "non_contiguous": {"bucket": 2000, "contiguous_gradients": False, "overlap_comm": True, "clip": 0.5},
+}
+
+
+# --------------------------------------------------------------------------- rank-side helpers
+
+
+def _engine(rank: int, world_size: int, flat: bool, dtype: str, *, flatgrad: dict | None = None,
+            accum: str | None = None, overflow_check: bool = False, route: str = "initialize", top: dict | None = None,
+            **zero):
+    """A ZeRO-3 engine over the seeded MLP.
+
+    ``flat=False``: stock ``deepspeed.initialize``. ``flat=True``: the config gets
+    a ``"flatgrad"`` section and goes through ``flatgrad.deepspeed.initialize``
+    (``route="initialize"``) or through ``deepspeed.initialize`` under
+    ``flatgrad.deepspeed.patch()`` (``route="patch"``).
+    """
+    import deepspeed
+
+    from flatgrad import deepspeed as flatgrad_ds
+
+    torch.manual_seed(0)
+    model = MLP(D_IN, HIDDEN, D_OUT)
+    cfg = ds_config(3, gas=GAS, micro_batch=MICRO_BATCH, world_size=world_size, dtype=dtype, **zero)
+    if accum is not None:
+        cfg["data_types"] = {"grad_accum_dtype": accum}
+    if overflow_check:
+        cfg["bf16"]["check_grad_overflow"] = True
+    cfg.update(top or {})
+    initialize = deepspeed.initialize
+    if flat:
+        cfg["flatgrad"] = flatgrad or {}
+        if route == "initialize":
+            initialize = flatgrad_ds.initialize
+    if route == "patch":
+        flatgrad_ds.patch()
+        try:
+            return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+        finally:
+            flatgrad_ds.unpatch()
+    return initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+
+def _partitions(engine) -> list[torch.Tensor]:
+    """This rank's grad partitions in module order (ds_ids count on across engines in one process)."""
+    partitions = getattr(engine.optimizer, _GRAD_PARTITIONS)
+    return [partitions[p.ds_id].detach().clone() for p in engine.module.parameters()]
+
+
+def _real(param, rank: int) -> int:
+    """Elements of real data in ``rank``'s partition of a ZeRO-3 parameter (the rest is padding)."""
+    c = param.partition_numel()
+    return max(0, min(c, param.ds_numel - rank * c))
+
+
+def _state(engine, rank: int) -> dict:
+    """This rank's parameter partitions (real data only): the module's and the optimizer's fp32 master."""
+    opt = engine.optimizer
+    master = []
+    for group, flat in zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat):
+        offset = 0
+        for p in group:
+            master.append(flat.narrow(0, offset, _real(p, rank)).detach().clone())
+            offset += p.partition_numel()
+    return {
+        "params": [p.ds_tensor.narrow(0, 0, _real(p, rank)).detach().clone() for p in engine.module.parameters()],
+        "master": master,
+    }
+
+
+def _flatgrad_ran(engine) -> int:
+    """The number of bucket plans flatgrad built (0 when flatgrad is not installed)."""
+    reducer = getattr(engine.optimizer, "flatgrad_zero3", None)
+    return len(reducer.plans) if reducer is not None else 0
+
+
+def _train(engine, rank: int, dtype: str, batches, inf_at: int | None = None) -> dict:
+    """One forward/backward/step per micro-batch; the losses and the grad partitions after every backward.
+
+    ``plans``: flatgrad's plan count after every micro-step (it must stop growing after the first step).
+    """
+    losses, partitions, plans = [], [], []
+    for i, (x, y) in enumerate(batches):
+        loss = engine(x.to(DTYPES[dtype]), y.to(DTYPES[dtype]))
+        if i == inf_at and rank == 0:
+            loss = loss * float("inf")  # non-finite gradients on one rank: the step must be skipped
+        engine.backward(loss)
+        partitions.append(_partitions(engine))
+        engine.step()
+        losses.append(float(loss.detach().float()))
+        plans.append(_flatgrad_ran(engine))
+    return {"losses": losses, "partitions": partitions, "plans": plans}
+
+
+def _trajectory(rank: int, world_size: int, flat: bool, dtype: str, inf_at: int | None = None, **options) -> dict:
+    """Train STEPS optimizer steps from the seed; every loss and grad partition, and the final state."""
+    engine = _engine(rank, world_size, flat, dtype, **options)
+    out = _train(engine, rank, dtype, make_batches(rank, STEPS * GAS, MICRO_BATCH, D_IN, D_OUT), inf_at)
+    out.update(_state(engine, rank))
+    out["accum"] = str(engine.optimizer.gradient_accumulation_dtype)
+    out["skipped"] = engine.skipped_steps
+    engine.destroy()
+    return out
+
+
+def _serialized(obj) -> bytes:
+    """Tensors travel back by value (the launcher's queue would share them through file descriptors)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _deserialized(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _stock_vs_flat(rank: int, world_size: int, dtype: str, options: dict, inf_at: int | None = None,
+                   flat_options: dict | None = None) -> bytes:
+    """Stock with ``options`` and flatgrad with ``options`` updated by ``flat_options``, from the same seed."""
+    return _serialized({
+        "stock": _trajectory(rank, world_size, False, dtype, inf_at, **options),
+        "flat": _trajectory(rank, world_size, True, dtype, inf_at, **{**options, **(flat_options or {})}),
+    })
+
+
+# --------------------------------------------------------------------------- comparisons
+
+
+def _assert_bitwise(a, b, what: str) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            _assert_bitwise(a[k], b[k], f"{what}[{k}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_bitwise(x, y, f"{what}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        # NaN payloads and signs are the arithmetic library's choice; every other value must match bit for bit.
+        nan = torch.isnan(a)
+        assert torch.equal(nan, torch.isnan(b)), f"{what}: NaNs at different places"
+        assert torch.equal(a[~nan].view(torch.uint8), b[~nan].view(torch.uint8)), f"{what}: not bitwise equal"
+    else:
+        assert a == b, f"{what}: {a!r} != {b!r}"
+
+
+def _compare(results: list[dict]) -> None:
+    """Every rank: flatgrad ran, built its plans once, and matched stock bit for bit; and the runs trained."""
+    for rank, r in enumerate(results):
+        stock, flat = dict(r["stock"]), dict(r["flat"])
+        stock_plans, plans = stock.pop("plans"), flat.pop("plans")
+        assert set(stock_plans) == {0} and plans[-1] > 0, f"rank {rank}: flatgrad's path did not run"
+        # One plan per bucket composition, built in the first step (GAS micro-steps) and reused after.
+        assert plans[GAS - 1:] == [plans[-1]] * (len(plans) - GAS + 1), f"rank {rank}: plans rebuilt: {plans}"
+        _assert_bitwise(stock, flat, f"rank {rank}")
+    # The comparison has teeth: the loss moved and the gradients were not all zero.
+    losses = results[0]["stock"]["losses"]
+    assert losses[0] != losses[-1], "the runs did not train"
+    assert any(t.count_nonzero() for t in results[0]["stock"]["partitions"][-1]), "every gradient is zero"
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("case", sorted(ZERO_CASES))
+def test_fp32_bitwise_equal_to_stock(world_size: int, case: str) -> None:
+    """Grad partitions after every backward, losses, and final params: bitwise equal to stock on every rank."""
+    results = [_deserialized(r) for r in launch(_stock_vs_flat, world_size, "fp32", ZERO_CASES[case], timeout=200)]
+    _compare(results)
+
+
+_BF16_COMM = {"top": {"communication_data_type": "bf16"}}
+_FLAT_BF16_COMM = {"top": {}, "flatgrad": {"comm_dtype": "bf16"}}
+
+# name: (world size, stock's options, flatgrad's changes to them)
+FEATURES = {
+    # Parameter offload moves the parameters' partitions only; the gradient path stays flatgrad's.
+    "param_offload": (2, {"offload_param": {"device": "cpu"}}, {}),
+    # hpZ: secondary parameter partitions of 2 ranks; gradients still reduce over all 4.
+    "hpz": (4, {"zero_hpz_partition_size": 2}, {}),
+    # torch autocast: one IPG bucket per comm dtype; fp32 gradients cast to bf16 before the divide, as stock does.
+    "autocast": (2, {"top": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}}, {}),
+    # A world size that is not a power of two: the buffer is divided in place (x * 1/3 is not x / 3).
+    "three_ranks": (3, {}, {}),
+    # flatgrad's comm_dtype does what DeepSpeed's communication_data_type does.
+    "comm_dtype": (2, _BF16_COMM, _FLAT_BF16_COMM),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_features_bitwise_equal_to_stock(feature: str) -> None:
+    world_size, options, flat_options = FEATURES[feature]
+    options = {**ZERO_CASES["partitioned"], **options}
+    results = launch(_stock_vs_flat, world_size, "fp32", options, None, flat_options, timeout=200)
+    results = [_deserialized(r) for r in results]
+    _compare(results)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("accum", ["fp32", "bf16"])
+def test_bf16_equal_to_stock(world_size: int, accum: str) -> None:
+    """bf16 training, fp32 or bf16 grad partitions: equal to stock (bitwise, tighter than one bf16 ulp)."""
+    options = {**ZERO_CASES["partitioned"], "accum": accum}
+    results = [_deserialized(r) for r in launch(_stock_vs_flat, world_size, "bf16", options, timeout=200)]
+    for r in results:
+        assert r["flat"]["accum"] == str(DTYPES[accum])
+    _compare(results)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_overflow_skips_the_step_like_stock() -> None:
+    """Non-finite gradients on one rank: the overflow check sees them in the partitions and skips the step."""
+    options = {**ZERO_CASES["persistent"], "overflow_check": True}
+    results = [_deserialized(r) for r in launch(_stock_vs_flat, 2, "bf16", options, 4, timeout=200)]
+    for r in results:
+        assert r["stock"]["skipped"] == 1
+    _compare(results)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+class _Counter(CollectiveCounter):
+    """Also counts the ``deepspeed.comm`` wrappers ZeRO-3 calls (they reach torch through DeepSpeed's own
+    references) and ``torch.distributed.reduce_scatter_single`` (what ``flatgrad.comm`` calls on torch >= 2.13)."""
+
+    NAMES = CollectiveCounter.NAMES + ("reduce_scatter_fn", "allgather_fn", "all_gather_coalesced",
+                                       "reduce_scatter_single")
+    SAME = {
+        "reduce_scatter_fn": "reduce_scatter_tensor",
+        "reduce_scatter_single": "reduce_scatter_tensor",
+        "allgather_fn": "all_gather_into_tensor",
+    }
+
+    def by_kind(self) -> dict[str, list[tuple[int, str]]]:
+        """``{collective: [(numel, dtype), ...]}`` with DeepSpeed's wrappers named after what they call."""
+        out: dict[str, list[tuple[int, str]]] = {}
+        for name, calls in self.calls.items():
+            out.setdefault(self.SAME.get(name, name), []).extend((n, str(d)) for n, d in calls)
+        return out
+
+
+def _collectives(rank: int, world_size: int, options: dict, flat_options: dict) -> dict:
+    out = {}
+    for flat in (False, True):
+        with _Counter() as counter:
+            engine = _engine(rank, world_size, flat, "fp32", **(dict(options, **flat_options) if flat else options))
+            _train(engine, rank, "fp32", make_batches(rank, STEPS * GAS, MICRO_BATCH, D_IN, D_OUT))
+        out[flat] = counter.by_kind()
+        engine.destroy()
+    return out
+
+
+# name: (world size, stock's options, flatgrad's changes to them, reduce_scatters per backward or None)
+COLLECTIVES = {
+    # 3 buckets per backward: the 37x37 weight alone, the rest in 1000-element buckets.
+    "2_ranks": (2, ZERO_CASES["partitioned"], {}, 3),
+    "4_ranks": (4, ZERO_CASES["partitioned"], {}, 3),
+    # flatgrad's bucket_numel sets ZeRO-3's bucket size: the same buckets as stock's reduce_bucket_size.
+    "bucket_numel": (
+        2, {**ZERO_CASES["partitioned"], "bucket": 400}, {"bucket": 1000, "flatgrad": {"bucket_numel": 400}}, None
+    ),
+    # flatgrad's comm_dtype: the reduce_scatters carry bf16, as with DeepSpeed's communication_data_type.
+    "comm_dtype": (2, {**ZERO_CASES["partitioned"], **_BF16_COMM}, _FLAT_BF16_COMM, 3),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", sorted(COLLECTIVES))
+def test_same_collectives_as_stock(case: str) -> None:
+    """Counted at deepspeed.comm (torch.distributed for flatgrad.comm): the same calls, sizes and dtypes as stock."""
+    world_size, options, flat_options, per_backward = COLLECTIVES[case]
+    for rank, r in enumerate(launch(_collectives, world_size, options, flat_options, timeout=200)):
+        stock, flat = r[False], r[True]
+        reduce_scatters = stock.get("reduce_scatter_tensor", [])
+        assert reduce_scatters, f"rank {rank}: no reduce_scatter counted"
+        if per_backward is not None:
+            count = len(reduce_scatters)
+            assert count == per_backward * STEPS * GAS, f"rank {rank}: {count} reduce_scatters"
+        assert flat == stock, f"rank {rank}: collectives differ from stock"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoints(rank: int, world_size: int, root: str) -> bytes:
+    """Save after 2 steps with one backend, load into the other, continue 3 steps; both ways; then zero_to_fp32."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    batches = make_batches(rank, STEPS * GAS, MICRO_BATCH, D_IN, D_OUT)
+    head, tail = batches[: 2 * GAS], batches[2 * GAS :]
+    out = {}
+    for saver in (True, False):
+        path = os.path.join(root, "flat" if saver else "stock")
+        engine = _engine(rank, world_size, saver, "fp32", **ZERO_CASES["partitioned"])
+        _train(engine, rank, "fp32", head)
+        engine.save_checkpoint(path, tag="step2")
+        continued = _train(engine, rank, "fp32", tail)
+        continued.pop("plans")
+        continued.update(_state(engine, rank))
+        engine.destroy()
+        loader = _engine(rank, world_size, not saver, "fp32", **ZERO_CASES["partitioned"])
+        loader.load_checkpoint(path, tag="step2")
+        resumed = _train(loader, rank, "fp32", tail)
+        assert (resumed.pop("plans")[-1] > 0) == (not saver)
+        resumed.update(_state(loader, rank))
+        out["flat->stock" if saver else "stock->flat"] = {"continued": continued, "resumed": resumed}
+        if saver:
+            loader.destroy()
+            continue
+        # ``loader`` is flatgrad's engine: save it and convert with DeepSpeed's zero_to_fp32.
+        import deepspeed
+
+        loader.save_checkpoint(path, tag="final")
+        with deepspeed.zero.GatheredParameters(list(loader.module.parameters())):
+            live = {n: p.detach().clone() for n, p in loader.module.named_parameters()}
+        torch.distributed.barrier()
+        converted = get_fp32_state_dict_from_zero_checkpoint(path, tag="final") if rank == 0 else None
+        out["zero_to_fp32"] = {"live": live, "converted": converted, "plans": _flatgrad_ran(loader)}
+        loader.destroy()
+    return _serialized(out)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_checkpoints_interchange_with_stock(tmp_path) -> None:
+    """flatgrad -> stock and stock -> flatgrad resume identically; zero_to_fp32 of flatgrad's checkpoint is live."""
+    results = [_deserialized(r) for r in launch(_checkpoints, 2, str(tmp_path), timeout=200)]
+    for rank, r in enumerate(results):
+        for direction in ("flat->stock", "stock->flat"):
+            _assert_bitwise(r[direction]["continued"], r[direction]["resumed"], f"rank {rank} {direction}")
+        # Both directions continue the same (bitwise equal) training.
+        _assert_bitwise(r["flat->stock"]["continued"], r["stock->flat"]["continued"], f"rank {rank} stock vs flat")
+    z = results[0]["zero_to_fp32"]
+    assert z["plans"] > 0
+    assert z["converted"].keys() == z["live"].keys()
+    for name, live in z["live"].items():
+        _assert_bitwise(z["converted"][name].reshape(live.shape), live, f"zero_to_fp32 {name}")
+
+
+# --------------------------------------------------------------------------- refusal and pass-through
+
+
+# config key -> the fragment that turns the feature on: (section, {key: value})
+REFUSED = {
+    "zero_optimization.offload_optimizer": ("zero_optimization", {"offload_optimizer": {"device": "cpu"}}),
+    "zero_optimization.cpu_offload": ("zero_optimization", {"cpu_offload": True}),
+    "zero_optimization.zero_quantized_gradients": ("zero_optimization", {"zero_quantized_gradients": True}),
+    "zero_optimization.reduce_scatter": ("zero_optimization", {"reduce_scatter": False}),
+    "zero_optimization.zenflow": ("zero_optimization", {"zenflow": {"topk_ratio": 0.1}}),
+    "compile.deepcompile": ("compile", {"deepcompile": True}),
+    "expert_parallel.enabled": ("expert_parallel", {"enabled": True}),
+}
+
+
+def _with_features(keys) -> dict:
+    cfg = ds_config(3)
+    for key in keys:
+        section, fragment = REFUSED[key]
+        cfg.setdefault(section, {}).update(fragment)
+    return cfg
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_initialize_refuses_unsupported_features(key: str) -> None:
+    """flatgrad.deepspeed.initialize raises before DeepSpeed starts, naming the feature's config key."""
+    from flatgrad import deepspeed as flatgrad_ds
+
+    cfg = _with_features([key])
+    cfg["flatgrad"] = {}
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(flatgrad_ds.UnsupportedConfigError, match=key.replace(".", r"\.")):
+        flatgrad_ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=60, deadline=None)
+@given(keys=st.sets(st.sampled_from(sorted(REFUSED))), offload_param=st.sampled_from(["none", "cpu"]))
+def test_check_supported_names_every_refused_feature(keys: set, offload_param: str) -> None:
+    """Any mix of features: refused iff one is unsupported, and the error names every one of them."""
+    from flatgrad.integrations.deepspeed import zero3
+    from flatgrad.integrations.deepspeed.config import UnsupportedConfigError
+
+    cfg = _with_features(keys)
+    cfg["zero_optimization"]["offload_param"] = {"device": offload_param}  # supported either way
+    if not keys:
+        zero3.check_supported(cfg)
+        return
+    with pytest.raises(UnsupportedConfigError) as info:
+        zero3.check_supported(cfg)
+    for key in keys:
+        assert key in str(info.value), (key, str(info.value))
+
+
+def _without_optimizer(rank: int, world_size: int) -> str:
+    from flatgrad import deepspeed as flatgrad_ds
+
+    model = MLP(D_IN, HIDDEN, D_OUT)
+    cfg = ds_config(3, world_size=world_size, optimizer=False, flatgrad={})
+    try:
+        flatgrad_ds.initialize(model=model, config=cfg)
+    except flatgrad_ds.UnsupportedConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_install_refuses_an_engine_without_optimizer() -> None:
+    """Without an optimizer DeepSpeed builds no ZeRO-3 gradient path; flatgrad says so instead of doing nothing."""
+    for message in launch(_without_optimizer, 2, timeout=100):
+        assert "DeepSpeedZeRoOffload" in message and "no optimizer" in message, message
+
+
+def _patched(rank: int, world_size: int) -> bytes:
+    """Under patch(): a supported ZeRO-3 config runs flatgrad, an unsupported one runs stock, with one log line."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("flatgrad.deepspeed")
+    logger.addHandler(handler)
+    try:
+        out = {
+            "supported": {
+                "stock": _trajectory(rank, world_size, False, "fp32", **ZERO_CASES["partitioned"]),
+                "flat": _trajectory(rank, world_size, True, "fp32", route="patch", **ZERO_CASES["partitioned"]),
+            },
+        }
+        supported_records = list(records)
+        unsupported = {**ZERO_CASES["partitioned"], "reduce_scatter": False}
+        out["unsupported"] = {
+            "stock": _trajectory(rank, world_size, False, "fp32", **unsupported),
+            "patched": _trajectory(rank, world_size, True, "fp32", route="patch", **unsupported),
+        }
+        out["records"] = (supported_records, records[len(supported_records):])
+    finally:
+        logger.removeHandler(handler)
+    return _serialized(out)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_patch_routes_zero3_and_passes_unsupported_through() -> None:
+    results = [_deserialized(r) for r in launch(_patched, 2, timeout=200)]
+    _compare([r["supported"] for r in results])
+    for rank, r in enumerate(results):
+        stock, patched = r["unsupported"]["stock"], r["unsupported"]["patched"]
+        assert set(patched["plans"]) == {0}, f"rank {rank}: flatgrad ran on a config it refuses"
+        _assert_bitwise(stock, patched, f"rank {rank} pass-through")
+        before, after = r["records"]
+        assert before == []
+        assert len(after) == 1 and "zero_optimization.reduce_scatter" in after[0], after

@@ -1,0 +1,448 @@
+"""``flatgrad plan``: simulated collective schedules, checked against real DeepSpeed call traces.
+
+The core tests run real DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``, gloo) at 2, 4
+and 8 ranks on three small models (a GPT with tied embeddings and LayerNorms,
+an MLP with a frozen layer, a scaled-down seed MoE), record every collective
+that one backward issues at ``deepspeed.comm`` and ``torch.distributed`` (op,
+size, dtype, destination, group), and require the simulated schedule to equal
+that trace call for call, in order, on every rank: stock ZeRO-2 in both
+``use_multi_rank_bucket_allreduce`` modes, stock ZeRO-3, flatgrad ZeRO-2 and
+flatgrad ZeRO-3. The other tests check the model builders, the traced
+backward order, invariants of the schedules over random shapes, the cost model
+and the command.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _ds
+from flatgrad.plan import models
+from flatgrad.plan.flatgrad_schedule import flatgrad_zero2, flatgrad_zero3
+from flatgrad.plan.stock import partitions, stock_zero2, stock_zero3
+
+# --------------------------------------------------------------------------- tracing real runs
+
+# Collective entry points recorded; the outermost call counts (deepspeed.comm -> torch.distributed is one call).
+_DS_NAMES = ("reduce", "all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
+             "all_to_all_single", "all_to_all", "broadcast", "all_reduce_coalesced", "barrier")
+_TORCH_NAMES = _DS_NAMES + ("reduce_scatter_single", "_reduce_scatter_base", "_all_gather_base", "all_gather_single")
+_REDUCTIONS = {"reduce": "reduce", "all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
+               "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+               "_reduce_scatter_base": "reduce_scatter"}  # fmt: skip
+
+
+class _Tracer:
+    """Records ``(op, numel, dtype, dst, group ranks)`` of every collective called in the block, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self._saved: list[tuple] = []
+        self._depth = 0
+
+    def __enter__(self) -> "_Tracer":
+        import deepspeed.comm as ds_package
+        import deepspeed.comm.comm as ds_module
+        import torch.distributed as torch_dist
+
+        for module, names in ((ds_package, _DS_NAMES), (ds_module, _DS_NAMES), (torch_dist, _TORCH_NAMES)):
+            for name in names:
+                fn = getattr(module, name, None)
+                if fn is not None:
+                    self._saved.append((module, name, fn))
+                    setattr(module, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, fn in reversed(self._saved):
+            setattr(module, name, fn)
+
+    def _wrap(self, name: str, fn):
+        signature = inspect.signature(_undecorated(fn))
+
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            if self._depth == 0:
+                self.calls.append(self._record(name, signature.bind(*args, **kwargs).arguments))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return traced
+
+    @staticmethod
+    def _record(name: str, arguments: dict) -> tuple:
+        import torch.distributed as dist
+
+        buffers = []
+        for value in arguments.values():
+            if isinstance(value, torch.Tensor):
+                buffers.append((value.numel(), value.dtype))
+            elif isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value):
+                buffers.append((sum(t.numel() for t in value), value[0].dtype))
+        numel, dtype = max(buffers, key=lambda b: b[0]) if buffers else (0, None)
+        group = arguments.get("group")
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+        dst = arguments.get("dst")
+        return (_REDUCTIONS.get(name, name), numel, str(dtype).replace("torch.", ""), dst, ranks)
+
+
+def _undecorated(fn):
+    """The function under DeepSpeed's ``timed_op``, which keeps it in a closure rather than ``__wrapped__``."""
+    if fn.__name__ == "log_wrapper":
+        for cell in fn.__closure__ or ():
+            if inspect.isfunction(cell.cell_contents):
+                return cell.cell_contents
+    return inspect.unwrap(fn)
+
+
+def _batch(model: torch.nn.Module, rank: int) -> tuple:
+    """A small real batch for ``model``, different on every rank."""
+    g = torch.Generator().manual_seed(100 + rank)
+    if isinstance(model, (models.GPT, models.Llama)):
+        idx = torch.randint(0, model.vocab, (2, 8), generator=g)
+        return idx, torch.randint(0, model.vocab, (2, 8), generator=g)
+    if isinstance(model, models.MLP):
+        return torch.randn(4, model.d_in, generator=g), torch.randn(4, model.d_out, generator=g)
+    return torch.randn(8, model.hidden, generator=g), torch.randn(8, model.hidden, generator=g)
+
+
+# (model name, model kwargs): small, but every feature that shapes a schedule is there: tied and
+# LayerNorm parameters (traced order), a frozen layer, expert groups (ep_size 2 divides 2, 4 and 8).
+CASE_MODELS = {
+    "gpt": ("gpt", dict(vocab=97, n_positions=16, d=24, n_layer=2, n_head=2)),
+    "mlp": ("mlp", dict(d_in=13, hidden=37, d_out=5, layers=3, frozen=True)),
+    "moe": ("seed-moe", dict(hidden=24, num_experts=4, ep_size=2, k=1)),
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Bucket sizes in elements: several buckets per backward, parameters larger than a bucket (GPT's wte,
+# the MLP's layers.1.weight), and a bucket filled exactly (the MLP's first four gradients: 5+5+185+37).
+BUCKET = {"gpt": 1000, "mlp": 232, "moe": 1000}
+
+
+def _real_trace(
+    model_key: str, stage: int, multi_rank: bool, use_flatgrad: bool, dtype: str, zero: tuple, rank: int, world_size: int
+) -> list[tuple]:
+    """One real backward under DeepSpeed on this rank; its collectives in order."""
+    import deepspeed
+
+    from flatgrad import deepspeed as flatgrad_ds
+
+    name, kwargs = CASE_MODELS[model_key]
+    torch.manual_seed(0)
+    model = models.build(name, "cpu", **kwargs)
+    config = _ds.ds_config(
+        stage, world_size=world_size, bucket=BUCKET[model_key], dtype=dtype, use_multi_rank_bucket_allreduce=multi_rank,
+        **dict(zero),
+    )  # fmt: skip
+    if dtype == "bf16":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}  # ZeRO-2's fp32 partition buffer: own slices kept apart
+    if stage == 3:
+        del config["zero_optimization"]["use_multi_rank_bucket_allreduce"]
+    if use_flatgrad:
+        config["flatgrad"] = {}
+        initialize = flatgrad_ds.initialize
+    else:
+        initialize = deepspeed.initialize
+    linear = torch.nn.functional.linear
+    try:
+        engine, *_ = initialize(model=model, model_parameters=list(model.parameters()), config=config)
+        loss = engine(*_batch(model, rank))
+        with _Tracer() as tracer:
+            engine.backward(loss)
+        engine.destroy()
+    finally:
+        # ZeRO-3 replaces torch.nn.functional.linear for the rest of the process (memory_efficient_linear),
+        # which would give later ZeRO-2 cases ZeRO-3's hook order; each case starts from a clean process state.
+        torch.nn.functional.linear = linear
+    return tracer.calls
+
+
+CASES = (  # (model, stage, use_multi_rank_bucket_allreduce, flatgrad, dtype, other zero_optimization keys)
+    [(m, 2, multi, False, "fp32", ()) for m in CASE_MODELS for multi in (False, True)]
+    + [(m, 2, True, True, "fp32", ()) for m in CASE_MODELS]
+    + [("gpt", 2, False, False, "bf16", ()), ("gpt", 2, True, True, "bf16", ())]
+    + [("mlp", 2, False, False, "fp32", (("reduce_scatter", False),))]
+    + [("gpt", 2, False, False, "fp32", (("contiguous_gradients", False),))]
+    + [(m, 3, True, f, "fp32", ()) for m in ("gpt", "mlp") for f in (False, True)]
+)
+
+
+def _traces_rank(rank: int, world_size: int, cases: list) -> list[list[tuple]]:
+    return [_real_trace(*case, rank, world_size) for case in cases]
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(model_key: str) -> models.ModelSpec:
+    name, kwargs = CASE_MODELS[model_key]
+    return models.load(name, **kwargs)
+
+
+def _simulated(case: tuple, world_size: int, rank: int) -> list[tuple]:
+    model_key, stage, multi, use_flatgrad, dtype, zero = case
+    spec = _spec(model_key)
+    common = dict(bucket_numel=BUCKET[model_key], rank=rank, dtype=_DTYPES[dtype])
+    if stage == 2 and use_flatgrad:
+        schedule = flatgrad_zero2(spec, world_size, **common)
+    elif stage == 2:
+        grad_accum = torch.float32 if dtype == "bf16" else None
+        schedule = stock_zero2(
+            spec, world_size, use_multi_rank_bucket_allreduce=multi, grad_accum_dtype=grad_accum, **dict(zero), **common
+        )  # fmt: skip
+    elif use_flatgrad:
+        schedule = flatgrad_zero3(spec, world_size, **common)
+    else:
+        schedule = stock_zero3(spec, world_size, **common)
+    return [c.key() for c in schedule.calls]
+
+
+# Collectives a backward may issue besides gradient reductions: the MoE's expert all-to-alls, and
+# ZeRO-3's parameter all-gathers. Everything else must be in the schedule.
+_OTHER_OPS = {"all_to_all_single", "all_gather_into_tensor", "all_gather"}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_simulated_schedule_equals_real_deepspeed_trace(world_size: int) -> None:
+    traces = _ds.launch(_traces_rank, world_size, CASES, timeout=230)
+    for rank, per_case in enumerate(traces):
+        for case, trace in zip(CASES, per_case):
+            reductions = [c for c in trace if c[0] in ("reduce", "all_reduce", "reduce_scatter")]
+            others = {c[0] for c in trace} - {"reduce", "all_reduce", "reduce_scatter"}
+            assert others <= _OTHER_OPS, f"{case} rank {rank}: unexpected collectives {others}"
+            simulated = _simulated(case, world_size, rank)
+            assert reductions, f"{case} rank {rank}: the real backward issued no reduction"
+            assert simulated == reductions, f"{case} at {world_size} ranks, rank {rank}:\nsimulated {simulated}\nreal      {reductions}"
+    # The cases exercise what they are meant to: several buckets, straddling partitions, expert groups.
+    moe_reduce = _simulated(("moe", 2, False, False, "fp32", ()), world_size, 0)
+    assert {c[4] for c in moe_reduce} == {tuple(range(world_size)), tuple(range(0, world_size, 2))}
+    assert len({c[3] for c in _simulated(("gpt", 2, False, False, "fp32", ()), world_size, 0)}) == world_size
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def test_builtin_models_have_their_published_sizes() -> None:
+    assert _numel(models.build("gpt2-xl")) == 1_557_611_200
+    assert _numel(models.build("llama-7b")) == 6_738_415_616
+    seed = models.load("seed-moe")
+    assert seed.numel == 10_026_000  # the seed thread's figure
+    experts = [p for p in seed.params if p.expert_group is not None]
+    assert {p.expert_group for p in experts} == {"ep_size_4"} and sum(p.numel for p in experts) == 8_008_000
+    assert sum(p.numel for p in seed.params if p.expert_group is None) == 2_018_000
+    assert all(p.device.type == "meta" for p in seed.parameters)
+
+
+def _cpu_hook_order(module: torch.nn.Module, zero3: bool) -> list[int]:
+    """The hook order of one real CPU backward (optionally under DeepSpeed ZeRO-3's linear)."""
+    import torch.nn.functional as F
+
+    index = {id(p): i for i, p in enumerate(module.parameters())}
+    order: list[int] = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda q: order.append(index[id(q)])) for p in module.parameters() if p.requires_grad]
+    linear = F.linear
+    if zero3:
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+        F.linear = zero3_linear_wrap
+    try:
+        args = _batch(module, 0)
+        module(*args).backward()
+    finally:
+        F.linear = linear
+        for h in hooks:
+            h.remove()
+    return order
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [("gpt", dict(n_layer=2)), ("mlp", dict(frozen=True)), ("llama-7b", dict(vocab=50, d=16, n_layer=2, n_head=2, d_ff=24))],
+)
+def test_traced_backward_order_is_the_real_cpu_order(name: str, kwargs: dict) -> None:
+    spec = models.load(name, **kwargs)
+    assert spec.order_source == "traced"
+    torch.manual_seed(0)
+    cpu = models.build(name, "cpu", **kwargs)
+    assert list(spec.backward_order) == _cpu_hook_order(cpu, zero3=False)
+    assert list(spec.zero3_backward_order) == _cpu_hook_order(cpu, zero3=True)
+    # The order is not reverse registration (LayerNorm: weight first) wherever norms or ZeRO-3 are involved.
+    reverse = [i for i in reversed(range(len(spec.params))) if spec.params[i].requires_grad]
+    if name != "mlp":
+        assert list(spec.backward_order) != reverse
+    if name != "llama-7b":  # biased Linears: ZeRO-3's linear yields the weight's grad before the bias's
+        assert list(spec.zero3_backward_order) != list(spec.backward_order)
+
+
+def test_model_loading_by_module_factory_and_bad_names() -> None:
+    spec = models.load("flatgrad.plan.models:MLP", d_in=3, hidden=4, d_out=2, layers=2, frozen=True)
+    assert spec.numel == 4 * 2 + 2 + 2  # the frozen first layer is not counted
+    assert {p.name for p in spec.params if not p.requires_grad} == {"layers.0.weight", "layers.0.bias"}
+    assert not set(spec.backward_order) & {p.index for p in spec.params if not p.requires_grad}
+    with pytest.raises(ValueError, match="unknown model 'gpt3'"):
+        models.load("gpt3")
+    with pytest.raises(ValueError, match="cannot import module"):
+        models.load("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        models.load("flatgrad.plan.models:nope")
+    assert models.parse_model_args(["n_layer=2", "frozen=true", "eps=1e-5", "name=x"]) == {
+        "n_layer": 2, "frozen": True, "eps": 1e-5, "name": "x"}  # fmt: skip
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        models.parse_model_args(["n_layer"])
+
+
+# --------------------------------------------------------------------------- schedule invariants
+
+
+class _Params(torch.nn.Module):
+    """Parameters of the given numels, registered in order (backward: reverse registration)."""
+
+    def __init__(self, numels: list[int]) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.empty(n, device="meta")) for n in numels)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numels=st.lists(st.integers(1, 5000), min_size=1, max_size=30),
+    world_size=st.integers(1, 64),
+    bucket=st.integers(1, 20000),
+)
+def test_schedules_reduce_every_element_exactly_once(numels: list[int], world_size: int, bucket: int) -> None:
+    from flatgrad.layout import Layout
+
+    spec = models.describe(_Params(numels), "params")
+    total = sum(numels)
+    world = range(world_size)
+    layout = Layout.flat(numels, world_size, 2)  # DeepSpeed flattens in registration order
+
+    # Stock ZeRO-2, reduce: what each rank receives is exactly its partition's real elements.
+    reduce = stock_zero2(spec, world_size, bucket_numel=bucket, use_multi_rank_bucket_allreduce=False)
+    assert {c.op for c in reduce.calls} == {"reduce"} and all(c.group == world for c in reduce.calls)
+    received = [sum(c.numel for c in reduce.calls if c.dst == r) for r in world]
+    assert received == [sum(p.length for p in layout.pieces(r)) for r in world]
+    assert partitions(spec, world_size)[0].partition_size == layout.shard_numel
+    # Stock ZeRO-2, all_reduce: every element once, one call per bucket.
+    allreduce = stock_zero2(spec, world_size, bucket_numel=bucket, use_multi_rank_bucket_allreduce=True)
+    assert {c.op for c in allreduce.calls} == {"all_reduce"} and allreduce.numel == total
+    # flatgrad ZeRO-2: balanced buckets, padding below 2 x world size each.
+    flat = flatgrad_zero2(spec, world_size, bucket_numel=bucket)
+    if world_size == 1:
+        assert flat.calls == ()
+    else:
+        assert flat.payload == total
+        assert all(c.numel % (2 * world_size) == 0 and 0 <= c.numel - c.payload < 2 * world_size for c in flat.calls)
+        assert len(flat.calls) <= len(allreduce.calls) + sum(n > bucket for n in numels)
+    # ZeRO-3: every parameter padded to a multiple of the world size, stock and flatgrad alike.
+    z3 = stock_zero3(spec, world_size, bucket_numel=bucket)
+    assert z3.payload == total and z3.numel == sum(-(-n // world_size) * world_size for n in numels)
+    assert [c.key() for c in flatgrad_zero3(spec, world_size, bucket_numel=bucket).calls] == (
+        [c.key() for c in z3.calls] if world_size > 1 else [])  # fmt: skip
+
+
+def test_seed_model_reproduces_the_measured_figures() -> None:
+    """DESIGN.md "The seed model": measured with real DeepSpeed 0.19.8 on CPU/gloo."""
+    seed = models.load("seed-moe")
+    assert stock_zero2(seed, 8).ops() == {"all_reduce": 2}
+    reduce = stock_zero2(seed, 8, use_multi_rank_bucket_allreduce=False)
+    assert reduce.ops() == {"reduce": 10}
+    small = stock_zero2(seed, 4, bucket_numel=1_000_000, use_multi_rank_bucket_allreduce=False)
+    assert small.ops() == {"reduce": 23} and sum(c.numel < 10_000 for c in small.calls) == 10
+    # flatgrad: one reduce_scatter per sub-group; experts reduce over their own 2-rank groups at 8 ranks.
+    flat = flatgrad_zero2(seed, 8)
+    assert [(c.numel, len(c.group)) for c in flat.calls] == [(8_008_000, 2), (-(-2_018_000 // 16) * 16, 8)]
+    assert stock_zero3(seed, 8).unavailable and not stock_zero3(seed, 8).calls
+
+
+def test_bad_arguments_raise_clear_errors() -> None:
+    seed = models.load("seed-moe")
+    with pytest.raises(ValueError, match="not a multiple of expert group 'ep_size_4'"):
+        stock_zero2(seed, 6)
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        flatgrad_zero2(seed, 0)
+    with pytest.raises(ValueError, match="bucket_numel must be a positive int"):
+        stock_zero3(models.load("mlp"), 4, bucket_numel=0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 4\)"):
+        stock_zero2(models.load("mlp"), 4, rank=4)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def test_cost_model_follows_nccl_tests_conventions() -> None:
+    from flatgrad.plan.cost import CostModel
+    from flatgrad.plan.schedule import Collective
+
+    cost = CostModel()
+    one_gb = 250_000_000  # fp32 elements
+    node = Collective("all_reduce", one_gb, torch.float32, range(8))
+    assert cost.bus_bytes(node) == pytest.approx(1e9 * 2 * 7 / 8)
+    assert cost.time(node) == pytest.approx((3.6 + 14 * 0.47) * 1e-6 + 1e9 * 2 * 7 / 8 / 450e9)
+    rs = Collective("reduce_scatter", one_gb, torch.float32, range(16))  # two nodes: one IB hop each way
+    assert cost.time(rs) == pytest.approx((3.6 + 14 * 0.47 + 1 * 2.7) * 1e-6 + 1e9 * 15 / 16 / 400e9)
+    reduce = Collective("reduce", one_gb, torch.float32, range(16), dst=3)
+    assert cost.bus_bytes(reduce) == 1e9 and cost.time(reduce) > cost.time(rs)
+    assert cost.time(Collective("reduce", 10, torch.float32, range(1), dst=0)) == pytest.approx(3.6e-6)
+    assert cost.sent_bytes(reduce, 3) == 0 and cost.sent_bytes(reduce, 0) == 1e9
+    # A rank sends every gradient slice except its own partition's: the same volume in reduce mode as a reduce_scatter.
+    spec = models.load("mlp")
+    for rank in range(4):
+        sent = cost.schedule_sent_bytes(stock_zero2(spec, 4, use_multi_rank_bucket_allreduce=False, rank=rank))
+        own = sum(c.nbytes for c in stock_zero2(spec, 4, use_multi_rank_bucket_allreduce=False).calls if c.dst == rank)
+        assert sent == spec.numel * 4 - own
+    for group in (range(16), range(3, 40, 2), range(5, 1024, 4), range(1, 1024, 8), range(2, 1024, 32), range(7, 8)):
+        assert cost.nodes(group) == len({r // 8 for r in group})
+    with pytest.raises(ValueError, match="ib_busbw_gbps must be positive"):
+        CostModel(ib_busbw_gbps=0)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_plan_command_writes_text_json_and_png(tmp_path, capsys) -> None:
+    from flatgrad import cli
+
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    argv = ["plan", "seed-moe", "--model-arg", "hidden=24", "--model-arg", "num_experts=4", "--model-arg", "ep_size=2",
+            "-w", "4", "8", "--bucket", "1000", "--dtype", "fp32", "--json", str(out), "--plot", str(png)]  # fmt: skip
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "world size 4" in text and "world size 8" in text and "not possible" in text
+    doc = json.loads(out.read_text())
+    assert [w["world_size"] for w in doc["world_sizes"]] == [4, 8]
+    spec = models.load("seed-moe", hidden=24, num_experts=4, ep_size=2)
+    for entry in doc["world_sizes"]:
+        by_key = {s["key"]: s for s in entry["schedules"]}
+        assert set(by_key) == {"stock_zero2_reduce", "stock_zero2_allreduce", "flatgrad_zero2", "stock_zero3", "flatgrad_zero3"}
+        expected = stock_zero2(spec, entry["world_size"], bucket_numel=1000, use_multi_rank_bucket_allreduce=False)
+        got = by_key["stock_zero2_reduce"]
+        assert got["calls"] == len(expected.calls) == len(got["call_list"])
+        assert [c[1] for c in got["call_list"]] == [c.numel for c in expected.calls]
+        assert sum(n for _, _, n in got["histogram"]) == got["calls"]
+        assert got["time_s"] > by_key["flatgrad_zero2"]["time_s"] > 0
+        assert by_key["stock_zero3"]["unavailable"]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_command_rejects_bad_input(capsys) -> None:
+    from flatgrad import cli
+
+    assert cli.main(["plan", "seed-moe", "-w", "6", "--stage", "2"]) == 2
+    assert "not a multiple of expert group 'ep_size_4'" in capsys.readouterr().err
+    assert cli.main(["plan", "nonexistent-model"]) == 2
+    assert "unknown model 'nonexistent-model'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "mlp", "--world-size", "0"])
