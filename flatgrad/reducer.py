@@ -41,8 +41,11 @@ On CUDA three streams take part, each for one reason:
 * the current stream (autograd's, as seen in the hook) produces ``param.grad``
   and, after ``finish()``, consumes the shards (the optimizer);
 * ``pack_stream`` packs bucket ``k`` while the current stream computes the
-  gradients of bucket ``k + 1``. It waits on the current stream first (the
-  gradients must be complete); each gradient is ``record_stream``-ed on it
+  gradients of bucket ``k + 1``. It waits on the stream current in each
+  param's hook as the param becomes ready, and on the current stream again at
+  launch (the gradients must be complete: a bucket held back by
+  [Note: launch order] is launched from a later hook, possibly on another
+  stream, e.g. for layers run on a side stream); each gradient is ``record_stream``-ed on it
   before ``param.grad`` drops the last reference, so the caching allocator
   does not hand the memory out while the pack still reads it. The collective
   is issued from this stream, so NCCL orders it after the pack;
@@ -75,6 +78,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+import weakref
 from collections import deque
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -226,7 +230,9 @@ class BucketReducer:
         local_error: Exception | None = None
         description: list[tuple] = []
         try:
-            plans = self._plan(buckets, comm_dtype, layout, align, average, prescale, postscale, backend, method)
+            plans = self._plan(
+                buckets, comm_dtype, layout, align, average, prescale, postscale, backend, method, register_hooks
+            )
             description = [plan["description"] for plan in plans]
         except Exception as exc:  # exchanged below so that every rank raises, then re-raised
             local_error = exc
@@ -254,10 +260,13 @@ class BucketReducer:
             for b in self._buckets:
                 for p in b.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self.mark_ready))
+                    _HOOKED[id(p)] = (weakref.ref(p), weakref.ref(self))
 
     # ------------------------------------------------------------------ setup
 
-    def _plan(self, buckets, comm_dtype, kind, align, average, prescale, postscale, backend, method) -> list[dict]:
+    def _plan(
+        self, buckets, comm_dtype, kind, align, average, prescale, postscale, backend, method, register_hooks
+    ) -> list[dict]:
         """Validate the arguments and describe every bucket; allocates nothing."""
         if isinstance(buckets, torch.Tensor) or not isinstance(buckets, Sequence) or not buckets:
             raise TypeError("buckets must be a non-empty list of lists of parameters")
@@ -286,6 +295,11 @@ class BucketReducer:
                 if p.device != params[0].device:
                     raise ValueError(
                         f"{where} is on {p.device} but buckets[{b}][0] is on {params[0].device}; one device per bucket"
+                    )
+                if register_hooks and _hook_owner(p) is not None:
+                    raise ValueError(
+                        f"{where} already has the gradient hook of another BucketReducer, whose pack frees "
+                        "param.grad: call remove_hooks() on that reducer first"
                     )
                 if id(p) in seen:
                     raise ValueError(f"{where} is the same param as buckets[{seen[id(p)][0]}][{seen[id(p)][1]}]")
@@ -369,6 +383,10 @@ class BucketReducer:
                     f"bucket {bucket.id} param {i} ({_describe_param(param)}) got a sparse gradient; "
                     "flatgrad reduces dense gradients only"
                 )
+            if bucket.pack_stream is not None:
+                # The hook runs on the stream this param's gradient was made on, which need not be
+                # the stream of the hook that later launches the bucket. See [Note: streams].
+                bucket.pack_stream.wait_stream(torch.cuda.current_stream(bucket.device))
             bucket.ready[i] = True
             bucket.pending -= 1
             self._in_step = True
@@ -383,24 +401,28 @@ class BucketReducer:
         for i, p in enumerate(b.params):
             g = p.grad
             if g is None:
-                g = self._zeros_like(p)
-            elif not (g.dtype == p.dtype and g.device == b.device and g.numel() == p.numel() and g.is_contiguous()):
+                g = self._zeros_like(p, b.layout.numels[i])
+            elif not (
+                g.dtype == p.dtype and g.device == b.device and g.numel() == b.layout.numels[i] and g.is_contiguous()
+            ):
                 g = _conform(b, i, p, g)
             grads.append(g)
         return grads
 
-    def _zeros_like(self, p: torch.Tensor) -> torch.Tensor:
-        """Zeros of ``p``'s numel and dtype: a view of one zero buffer per device and dtype, made on first need.
+    def _zeros_like(self, p: torch.Tensor, numel: int) -> torch.Tensor:
+        """``numel`` zeros of ``p``'s dtype: a view of one zero buffer per device and dtype, made on first need.
 
-        Sized to the largest param of that device and dtype, so it is made at most once,
-        and only if some param ever goes without a gradient.
+        Sized to the largest param of that device and dtype (as planned), so it is made at
+        most once, and only if some param ever goes without a gradient.
         """
         key = (p.device, p.dtype)
         zeros = self._zeros.get(key)
         if zeros is None:
-            largest = max(q.numel() for b in self._buckets for q in b.params if (q.device, q.dtype) == key)
+            largest = max(
+                n for b in self._buckets for q, n in zip(b.params, b.layout.numels) if (q.device, q.dtype) == key
+            )
             zeros = self._zeros[key] = torch.zeros(largest, dtype=p.dtype, device=p.device)
-        return zeros[: p.numel()]
+        return zeros[:numel]
 
     def _launch(self, b: _Bucket) -> None:
         """Pack, drop the grads, start the reduce_scatter (and on CUDA queue the unpack)."""
@@ -493,6 +515,10 @@ class BucketReducer:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        for b in self._buckets:
+            for p in b.params:
+                if _hook_owner(p) is self:
+                    del _HOOKED[id(p)]
 
 
 def _conform(b: _Bucket, i: int, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -500,8 +526,11 @@ def _conform(b: _Bucket, i: int, p: torch.Tensor, g: torch.Tensor) -> torch.Tens
     where = f"bucket {b.id} param {i} ({_describe_param(p)})"
     if g.layout != torch.strided:
         raise ValueError(f"{where} got a sparse gradient; flatgrad reduces dense gradients only")
-    if g.numel() != p.numel():
-        raise ValueError(f"{where} got a gradient of shape {tuple(g.shape)}")
+    if g.numel() != b.layout.numels[i]:
+        raise ValueError(
+            f"{where} got a gradient of {g.numel()} elements (shape {tuple(g.shape)}), but the bucket was planned "
+            f"for {b.layout.numels[i]}: params must not be resized after the reducer is built"
+        )
     if g.dtype != p.dtype:
         raise ValueError(f"{where} got a gradient of dtype {g.dtype}")
     if g.device != b.device:
@@ -510,6 +539,18 @@ def _conform(b: _Bucket, i: int, p: torch.Tensor, g: torch.Tensor) -> torch.Tens
 
 
 _STREAMS: dict[torch.device, tuple[Any, Any]] = {}
+
+# Params whose post-accumulate-grad hook belongs to a live reducer: a second one would see the
+# gradient the first one's pack already freed, and reduce zeros. Keyed by id (tensors compare
+# elementwise), with weak references so that neither params nor reducers are kept alive.
+_HOOKED: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _hook_owner(p: torch.Tensor) -> "BucketReducer | None":
+    entry = _HOOKED.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
 
 
 def _side_streams(device: torch.device) -> tuple[Any, Any]:

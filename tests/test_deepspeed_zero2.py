@@ -274,6 +274,40 @@ def test_bf16_fp32_accumulation_is_at_least_as_close_to_fp32_as_stock():
         assert distance["flatgrad"] <= distance["stock"], distance
 
 
+def _two_backwards_rank(rank, world_size):
+    """Two engine.backward() calls before one step (two losses): both must count, as in stock's fp32-accum path."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    batches = make_batches(rank, 4, 2, D_IN, D_OUT)
+    out = {}
+    for kind in ("stock", "flatgrad"):
+        torch.manual_seed(0)
+        model = MLP(hidden=32)
+        cfg = ds_config(2, world_size=world_size, bucket=300, dtype="bf16", optimizer=False)
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
+        cfg["zero_allow_untested_optimizer"] = True
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        engine = _engine(kind, cfg, model=model)
+        before = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+        for (x1, y1), (x2, y2) in zip(batches[::2], batches[1::2]):
+            engine.backward(engine(x1.bfloat16(), y1.bfloat16()))
+            engine.backward(engine(x2.bfloat16(), y2.bfloat16()))
+            engine.step()
+        out[kind] = {n: safe_get_full_fp32_param(p) - before[n] for n, p in engine.module.named_parameters()}
+    return {
+        n: ((out["flatgrad"][n] - out["stock"][n]).abs().max().item(), out["stock"][n].abs().max().item())
+        for n in out["stock"]
+    }
+
+
+@pytest.mark.timeout(120)
+def test_two_backwards_before_one_step_both_count():
+    for result in launch(_two_backwards_rank, 2):
+        for name, (diff, update) in result.items():
+            # Dropping the first backward changes the update by most of its size; bf16 rounding by ~1%.
+            assert diff <= 0.05 * update, (name, diff, update)
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -578,6 +612,10 @@ def test_client_optimizer_with_state_and_bound_scheduler_are_refused():
     with pytest.raises(fds.UnsupportedConfigError, match="lr_scheduler"):
         fds.initialize(model=model, optimizer=optimizer, config=ds_config(2, bucket=100, optimizer=False),
                        lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))  # fmt: skip
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.optim.lr_scheduler.StepLR(fresh, 1)  # bound to the groups, though never passed to initialize
+    with pytest.raises(fds.UnsupportedConfigError, match="an LR scheduler is bound"):
+        fds.initialize(model=model, optimizer=fresh, config=ds_config(2, bucket=100, optimizer=False))
     model(*make_batches(0, 1, 2, D_IN, D_OUT)[0]).backward()
     optimizer.step()
     with pytest.raises(fds.UnsupportedConfigError, match="already has state"):
@@ -619,6 +657,11 @@ def _patch_rank(rank, world_size):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         train(engine, batch)
         routed[name] = (hasattr(engine.optimizer, "_flatgrad"), records[before:])
+    torch.manual_seed(0)
+    model = MLP()
+    before = len(records)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, world_size=world_size, optimizer=False))
+    routed["zero3 without optimizer"] = (hasattr(engine.optimizer, "_flatgrad"), records[before:])
     out["routed"] = routed
     fds.unpatch()
     out["restored"] = deepspeed.initialize is original and not fds.is_patched()
@@ -639,7 +682,11 @@ def test_patch_routes_initialize_and_passes_unhandled_configs_through_with_one_l
         assert r["patched"] and r["restored"]
         flatgrad_on, logs = r["routed"]["stage2"]
         assert flatgrad_on and logs == []
-        for name, key in (("stage0", "zero_optimization.stage"), ("disabled", "flatgrad.enabled")):
+        for name, key in (
+            ("stage0", "zero_optimization.stage"),
+            ("disabled", "flatgrad.enabled"),
+            ("zero3 without optimizer", "without an optimizer"),
+        ):
             flatgrad_on, logs = r["routed"][name]
             assert not flatgrad_on
             assert len(logs) == 1 and "stock DeepSpeed" in logs[0] and key in logs[0], logs

@@ -450,10 +450,10 @@ def _without_optimizer(rank: int, world_size: int) -> str:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_install_refuses_an_engine_without_optimizer() -> None:
-    """Without an optimizer DeepSpeed builds no ZeRO-3 gradient path; flatgrad says so instead of doing nothing."""
+def test_initialize_refuses_an_engine_without_optimizer() -> None:
+    """Without an optimizer DeepSpeed builds no ZeRO-3 gradient path; flatgrad says so (before DeepSpeed starts)."""
     for message in launch(_without_optimizer, 2, timeout=100):
-        assert "DeepSpeedZeRoOffload" in message and "no optimizer" in message, message
+        assert "without an optimizer" in message and "'optimizer' config section" in message, message
 
 
 def _patched(rank: int, world_size: int) -> bytes:

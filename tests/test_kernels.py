@@ -641,3 +641,16 @@ def test_every_backend_reports_its_status() -> None:
         assert status.available == bool(status.devices)
         assert status.available or status.reason, f"{name} is unavailable without a reason"
     assert STATUS["torch"].available and "cpu" in STATUS["torch"].devices
+
+
+def test_unpack_rejects_overlapping_out_pieces_and_nonfinite_scale() -> None:
+    layout = Layout.chunked([4, 4], 2)
+    buf = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] overlap"):
+        flatgrad.unpack(torch.ones(layout.shard_numel), layout, 0, [buf[:2], buf[1:3]])
+    flatgrad.unpack(torch.ones(layout.shard_numel), layout, 0, [buf[:2], buf[2:4]])  # adjacent is fine
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be finite"):
+            flatgrad.pack([torch.ones(4), torch.ones(4)], layout, scale=bad)
+        with pytest.raises(ValueError, match="scale must be finite"):
+            flatgrad.unpack(torch.ones(layout.shard_numel), layout, 0, torch.zeros(layout.shard_numel), scale=bad)

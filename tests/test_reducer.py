@@ -348,6 +348,14 @@ def _refusals_rank(rank: int, world_size: int) -> dict:
     attempt("second backward", lambda: model.loss(0, 1).backward())
     reducer.finish()
     attempt("zero_grad after finish", reducer.zero_grad)
+    attempt("second hooked reducer", lambda: BucketReducer(build_buckets(model, 24)))
+    reducer.remove_hooks()
+    attempt("hooked again after remove_hooks", lambda: BucketReducer(build_buckets(model, 24)).remove_hooks())
+
+    lin = nn.Linear(4, 4)
+    BucketReducer([list(lin.parameters())])
+    lin.weight.data = lin.weight.data[:2]
+    attempt("resized param", lambda: (lin.weight.sum() + lin.bias.sum()).backward())
     return out
 
 
@@ -363,6 +371,11 @@ def test_setup_refusals_and_misuse():
     assert out["empty bucket"][0] == "TypeError" and "buckets[1]" in out["empty bucket"][1]
     assert out["sparse module"][0] == "ValueError" and "sparse" in out["sparse module"][1]
     assert out["sparse grad"][0] == "ValueError" and "sparse gradient" in out["sparse grad"][1]
+    kind, message = out["second hooked reducer"]
+    assert kind == "ValueError" and "another BucketReducer" in message and "remove_hooks" in message
+    assert out["hooked again after remove_hooks"] == (None, "no error")
+    kind, message = out["resized param"]
+    assert kind == "ValueError" and "planned for 16" in message and "8 elements" in message
     assert out["zero_grad mid-step"][0] == "RuntimeError" and "finish() first" in out["zero_grad mid-step"][1]
     # A second backward before finish() marks params ready twice: refused, naming the cause.
     assert out["second backward"][0] == "RuntimeError" and "ready twice" in out["second backward"][1]

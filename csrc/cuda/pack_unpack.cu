@@ -234,6 +234,13 @@ TensorTable make_table(at::TensorList tensors, const at::Device& device, at::Ten
     return TensorTable{
         nullptr, reinterpret_cast<int64_t>(tensors[0].data_ptr()), dtype_code(tensors[0].scalar_type())};
   }
+  // Under CUDA graph capture the copy would be recorded from a pinned block that is
+  // recycled after capture, so replays would read stale pointers: refuse clearly.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &capture));
+  TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+              "flatgrad (CUDA): pack/unpack of several tensors cannot be captured in a CUDA graph "
+              "(the per-call tensor table is uploaded from host memory)");
   at::Tensor host = at::empty({count, 2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* entries = host.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {

@@ -12,6 +12,7 @@ the backends assume valid input.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Sequence, Union
 
 import torch
@@ -63,6 +64,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_scale(scale: object) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
 
 
@@ -162,6 +165,11 @@ def unpack(
         outs, per_piece = list(out), True
     else:
         raise TypeError(f"out must be a tensor or a list of tensors, got {type(out).__name__}")
+    if per_piece:
+        order = sorted(range(len(outs)), key=lambda k: (outs[k].data_ptr(), k))
+        for a, b in zip(order, order[1:]):
+            if _overlaps(outs[a], outs[b]):
+                raise ValueError(f"out[{a}] and out[{b}] overlap; every piece needs its own memory")
     for k, o in enumerate(outs):
         if _overlaps(o, shard):
             raise ValueError(f"out[{k}] overlaps shard; unpack cannot run in place" if per_piece else "out overlaps shard")

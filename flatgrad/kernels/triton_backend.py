@@ -216,7 +216,9 @@ class _PointerTables:
         """``(ptrs int64 [T], codes int32 [T])`` on ``device`` for ``tensors``."""
         ptrs = tuple(t.data_ptr() for t in tensors)
         codes = tuple(_CODES[t.dtype] for t in tensors)
-        key = (device, ptrs, codes)
+        # Keyed by stream too: a table uploaded on one stream is only known complete on that stream.
+        stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+        key = (device, stream, ptrs, codes)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:

@@ -54,6 +54,9 @@ class FlatgradConfig:
         unknown = sorted(set(section) - known)
         if unknown:
             raise UnsupportedConfigError(f"unknown key(s) {unknown} in the '{SECTION}' config section; known: {sorted(known)}")
+        numel = section.get("bucket_numel")
+        if isinstance(numel, float) and numel.is_integer():  # JSON configs write sizes as 5e8
+            section["bucket_numel"] = int(numel)
         cfg = cls(**section)
         if not isinstance(cfg.enabled, bool):
             raise UnsupportedConfigError(f"'{SECTION}.enabled' must be true or false, got {cfg.enabled!r}")

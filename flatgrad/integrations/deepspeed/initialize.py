@@ -115,17 +115,21 @@ def _check_zero2_call(arguments: dict, ds_config: dict, cfg: FlatgradConfig) -> 
                 "stepped yet, or a callable that builds it, or an 'optimizer' config section"
             )
         scheduler = arguments.get("lr_scheduler")
-        if scheduler is not None and not callable(scheduler):
+        passed = scheduler is not None and not callable(scheduler)
+        # Every torch LR scheduler sets 'initial_lr' on the groups it is bound to, passed here or not.
+        bound = any("initial_lr" in g for g in optimizer.param_groups)
+        if passed or bound:
             bucket = cfg.bucket_numel or int(zero2._get(ds_config, "zero_optimization.reduce_bucket_size", 500_000_000))
             order = {p: k for k, (_, p) in enumerate(model.named_parameters())} if model is not None else {}
             split = zero2.split_param_groups(optimizer.param_groups, order, bucket)
             if len(split) != len(optimizer.param_groups):
+                what = f"the client lr_scheduler ({type(scheduler).__name__})" if passed else "an LR scheduler"
                 raise UnsupportedConfigError(
-                    f"the client lr_scheduler ({type(scheduler).__name__}) is bound to the optimizer's "
-                    f"{len(optimizer.param_groups)} param group(s), which flatgrad splits into {len(split)} bucket-sized "
-                    "sub-groups (flatgrad.bucket_numel / 'zero_optimization.reduce_bucket_size'). Pass lr_scheduler as a "
-                    "callable (optimizer -> scheduler) so that it is built over the split groups, or use a 'scheduler' "
-                    "config section"
+                    f"{what} is bound to the optimizer's {len(optimizer.param_groups)} param group(s), which flatgrad "
+                    f"splits into {len(split)} bucket-sized sub-groups (flatgrad.bucket_numel / "
+                    "'zero_optimization.reduce_bucket_size'); it would not see the new groups. Pass lr_scheduler as a "
+                    "callable (optimizer -> scheduler) so that it is built over the split groups, build it on the "
+                    "optimizer initialize returns, or use a 'scheduler' config section"
                 )
 
 
@@ -161,6 +165,12 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
                 f"flatgrad's ZeRO-3 backend is not available ({exc}) ('zero_optimization.stage' = 3)"
             ) from exc
         zero3_check_supported(ds_config)
+        if arguments.get("optimizer") is None and "optimizer" not in ds_config:
+            raise UnsupportedConfigError(
+                "a ZeRO-3 engine without an optimizer (no 'optimizer' config section and no optimizer argument) "
+                "reduces no gradients: DeepSpeed builds it for inference (ZeRO-Inference / frozen models), "
+                "which needs no flatgrad"
+            )
         return Plan("zero3", arguments, ds_config, cfg)
     raise UnsupportedConfigError(
         f"ZeRO stage {stage} has no gradient partitioning for flatgrad to replace ('zero_optimization.stage'); "

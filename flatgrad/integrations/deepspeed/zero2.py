@@ -411,10 +411,15 @@ class Zero2Reduction:
     # -- window: the micro-steps whose gradients one step() consumes
 
     def _open_window(self) -> None:
-        if not self._window_open:
+        if self._window_open:
+            return
+        handed = self.optimizer.averaged_gradients
+        if not any(handed.get(i) is partition for i, partition in enumerate(self.partitions)):
             for r in self.reducers:
                 r.zero_grad()
-            self._window_open = True
+        # Otherwise step() has not consumed the last hand-over yet (several backwards at one
+        # boundary): keep adding to the partitions, as PyTorch accumulates .grad until step.
+        self._window_open = True
 
     # -- the replaced seams
 

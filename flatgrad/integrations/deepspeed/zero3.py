@@ -197,7 +197,7 @@ class Zero3Reducer:
                 assert_ints_same_as_other_ranks([p.ds_id for p in params])
             params.sort(key=lambda p: p.ds_id)
             plan = self._plan(params, communication_data_type)
-            self._reduce(plan, params, bucket.buffer)
+            self._reduce(plan, params, bucket)
             opt._offload_boundary_param_ids.update(plan.ds_ids)
             synchronized = acc.is_synchronized_device()
             for param in params:
@@ -264,16 +264,18 @@ class Zero3Reducer:
         self._outs[key] = (stamp, outs)
         return outs
 
-    def _reduce(self, plan: _Plan, params: Sequence[torch.nn.Parameter], ipg_buffer: torch.Tensor | None) -> None:
+    def _reduce(self, plan: _Plan, params: Sequence[torch.nn.Parameter], bucket: Any) -> None:
         layout = plan.layout
         grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
         device = grads[0].device
-        if (
-            ipg_buffer is not None
-            and ipg_buffer.dtype == plan.comm_dtype
-            and ipg_buffer.device == device
-            and ipg_buffer.numel() >= layout.numel
-        ):
+        ipg_buffer = bucket.buffer
+        if ipg_buffer is not None and ipg_buffer.dtype == plan.comm_dtype and ipg_buffer.device == device:
+            if ipg_buffer.numel() < layout.numel:
+                # A chunked layout pads every param to a multiple of W, and one param may exceed the
+                # bucket: grow the IPG buffer once to the largest layout seen, not a buffer per step.
+                if ipg_buffer.is_cuda:
+                    ipg_buffer.record_stream(torch.cuda.current_stream(device))
+                ipg_buffer = bucket.buffer = torch.empty(layout.numel, dtype=plan.comm_dtype, device=device)
             buffer = ipg_buffer.narrow(0, 0, layout.numel)
         else:
             buffer = torch.empty(layout.numel, dtype=plan.comm_dtype, device=device)
