@@ -352,6 +352,41 @@ def test_checkpoint_round_trip_continues_bitwise_and_zero_to_fp32_gives_live_wei
         assert torch.equal(consolidated[name].float(), p), name
 
 
+def _mismatched_checkpoint_rank(rank, world_size, root):
+    import flatgrad.deepspeed as fds
+
+    batches = make_batches(rank, 2, 2, D_IN, D_OUT)
+    messages = {}
+    for name, (src, src_bucket), (dst, dst_bucket) in (
+        ("stock to flatgrad", ("stock", 500), ("flatgrad", 500)),
+        ("flatgrad to stock", ("flatgrad", 500), ("stock", 500)),
+        ("other bucket size", ("flatgrad", 300), ("flatgrad", 900)),
+        ("same bucket size", ("flatgrad", 300), ("flatgrad", 300)),
+    ):
+        engine = _engine(src, ds_config(2, world_size=world_size, bucket=src_bucket))
+        train(engine, batches)
+        path = os.path.join(root, name.replace(" ", "_"))
+        engine.save_checkpoint(path, tag="t")
+        target = _engine(dst, ds_config(2, world_size=world_size, bucket=dst_bucket))
+        try:
+            target.load_checkpoint(path, tag="t")
+            messages[name] = None
+        except (fds.UnsupportedConfigError, RuntimeError) as exc:
+            messages[name] = (type(exc).__name__, str(exc))
+    return messages
+
+
+@pytest.mark.timeout(180)
+def test_checkpoint_of_other_sub_groups_is_refused_with_the_bucket_key(tmp_path):
+    for m in launch(_mismatched_checkpoint_rank, 2, str(tmp_path)):
+        assert m["same bucket size"] is None
+        for name in ("stock to flatgrad", "other bucket size"):
+            kind, message = m[name]
+            assert kind == "UnsupportedConfigError", m[name]
+            assert "zero_optimization.reduce_bucket_size" in message and "load_universal" in message, message
+        assert m["flatgrad to stock"] is not None  # stock refuses with its own error; no state is mixed up
+
+
 def _universal_rank(rank, world_size, root, src, dst):
     import deepspeed.comm as dist
     from deepspeed.checkpoint import ds_to_universal

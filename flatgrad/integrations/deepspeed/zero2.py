@@ -588,8 +588,39 @@ class Zero2Reduction:
                 total[indices] = scaled
         return combine_grad_norm_groups(list(total.unbind()), norm_type=2)
 
+    def load_legacy(
+        self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = False
+    ) -> Any:
+        """Wraps ``_load_legacy_checkpoint``: refuse, clearly, optimizer states of other sub-groups.
+
+        The saved per-group parameter counts must be flatgrad's: a checkpoint of stock
+        DeepSpeed (unsplit groups) or of another bucket size has other groups, which
+        DeepSpeed refuses with a message about ``parameter_alignment``.
+        """
+        from deepspeed.checkpoint.constants import PARAM_ALIGNMENT_PADDINGS
+
+        import deepspeed.comm as dist
+
+        o = self.optimizer
+        mine = state_dict_list[dist.get_rank(group=o.dp_process_group)]  # as DeepSpeed reads it
+        saved = mine.get(PARAM_ALIGNMENT_PADDINGS) if mine is not None else None
+        current = [len(g) for g in o.round_robin_bit16_padding]
+        if (load_optimizer_states or load_from_fp32_weights) and saved is not None:
+            if [len(g) for g in saved] != current:
+                raise UnsupportedConfigError(
+                    f"the checkpoint's ZeRO optimizer has {len(saved)} param group(s) of {[len(g) for g in saved]} "
+                    f"params, flatgrad's has {len(current)} bucket-sized sub-groups of {current}: it was saved by "
+                    "stock DeepSpeed or by flatgrad with another bucket size ('flatgrad.bucket_numel' / "
+                    "'zero_optimization.reduce_bucket_size'). Load it with the bucket size it was saved with, or "
+                    "convert it to a universal checkpoint (deepspeed.checkpoint.ds_to_universal) and load that "
+                    "with 'checkpoint.load_universal'"
+                )
+        return self._stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
     def install(self) -> None:
         o = self.optimizer
+        self._stock_load_legacy = o._load_legacy_checkpoint
+        o._load_legacy_checkpoint = self.load_legacy
         o.reduce_independent_p_g_buckets_and_remove_grads = self.grad_ready
         o.independent_gradient_partition_epilogue = self.epilogue
         o.finalize_gradient_accumulation_boundary = self.finalize
@@ -606,6 +637,8 @@ _SEAMS = (
     "finalize_gradient_accumulation_boundary",
     "setup_buckets",
     "load_hp_checkpoint_state_from_checkpoint_dir",
+    "_load_legacy_checkpoint",
+    "round_robin_bit16_padding",
     "scaled_global_norm",
     "averaged_gradients",
     "round_robin_bit16_groups",
