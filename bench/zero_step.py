@@ -75,39 +75,19 @@ _GRADIENT_OPS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tenso
 
 
 def _seed_moe():
+    """DESIGN.md "The seed model", as ``flatgrad plan`` and ``flatgrad demo`` define it."""
     import torch
-    from deepspeed.moe.layer import MoE
+
+    from flatgrad.plan.models import SimpleMoeModel
 
     hidden = 1000
-
-    class SimpleExpert(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = torch.nn.Linear(hidden, hidden)
-            self.fc2 = torch.nn.Linear(hidden, hidden)
-
-        def forward(self, x):
-            return self.fc2(torch.relu(self.fc1(x)))
-
-    class SeedMoE(torch.nn.Module):
-        """DESIGN.md "The seed model": relu(fc1(x)) -> fc2 -> MoE -> MSE + 0.01 x the gate's aux loss."""
-
-        def __init__(self):
-            super().__init__()
-            self.fc1 = torch.nn.Linear(hidden, hidden)
-            self.fc2 = torch.nn.Linear(hidden, hidden)
-            self.moe = MoE(hidden_size=hidden, expert=SimpleExpert(), num_experts=16, ep_size=4, k=1)
-
-        def forward(self, x, y):
-            out, aux, _ = self.moe(self.fc2(torch.relu(self.fc1(x))))
-            return torch.nn.functional.mse_loss(out, y) + 0.01 * aux
 
     def batch(generator, micro_batch):
         return torch.randn(micro_batch, hidden, generator=generator), torch.randn(
             micro_batch, hidden, generator=generator
         )
 
-    return SeedMoE(), batch
+    return SimpleMoeModel(hidden=hidden, num_experts=16, ep_size=4, k=1), batch
 
 
 def _transformer(vocab: int = 8192, d_model: int = 512, layers: int = 14, seq: int = 32):
