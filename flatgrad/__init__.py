@@ -5,13 +5,13 @@ and backend discovery (``available_backends``). The reducer and the DeepSpeed
 integration live in their own modules.
 """
 
+import os as _os
+
 from .kernels import BackendStatus, UnpackStats, available_backends, pack, unpack
 from .layout import Layout, Piece
 
 __all__ = ["Layout", "Piece", "pack", "unpack", "UnpackStats", "available_backends", "BackendStatus"]
 __version__ = "0.1.0"
-
-import os as _os
 
 if _os.environ.get("FLATGRAD_DEEPSPEED", "") not in ("", "0"):
     # FLATGRAD_DEEPSPEED=1: route every later deepspeed.initialize through flatgrad (see flatgrad.deepspeed).
