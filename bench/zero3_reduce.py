@@ -212,7 +212,9 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    from flatgrad.kernels import DTYPE_NAMES
+
+    dtype = DTYPE_NAMES[args.dtype]
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.gas,

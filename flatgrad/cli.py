@@ -12,7 +12,7 @@ import argparse
 import importlib
 from typing import Sequence
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "positive_int"]
 
 # name -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -29,6 +29,17 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "per-backward collective schedules of stock DeepSpeed and flatgrad at any world size, without GPUs",
     ),
 }
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer, also written as ``5e8``."""
+    try:
+        value = int(float(text)) if "e" in text.lower() else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from ..cli import positive_int as _positive_int
 from . import report
 from .setups import SETUPS, by_key
 
@@ -37,16 +38,6 @@ _PRELOAD = [
     "torch._dynamo", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer",
     "deepspeed.moe.layer", "flatgrad.deepspeed", "flatgrad.demo.train",
 ]  # fmt: skip
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(float(text)) if "e" in text.lower() else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import DTYPE_NAMES
 from .launch import send_message
 from .measure import CollectiveRecorder
 from .setups import DENSE, SEED_MODEL, Setup, build_model, ds_config, make_batches
@@ -166,7 +167,7 @@ def rank_main(rank: int, world_size: int, options: Options) -> dict:
     """Train every setup of ``options`` on this rank; the measurements, by setup key."""
     _redirect_output(options.log_dir, rank)
     _init_deepspeed(rank, world_size, options.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[options.dtype]
+    dtype = DTYPE_NAMES[options.dtype]
     progress = send_message if rank == 0 else (lambda payload: None)
     batches = make_batches(rank, options.steps, options.micro_batch, _WIDTH, options.seed)
     recorder = CollectiveRecorder().install()

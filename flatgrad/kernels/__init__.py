@@ -21,9 +21,10 @@ from ..layout import Layout
 from . import reference
 from ._backends import BACKENDS, BackendStatus, available_backends, resolve_backend
 
-__all__ = ["pack", "unpack", "UnpackStats", "available_backends", "BackendStatus", "BACKENDS", "DTYPES"]
+__all__ = ["pack", "unpack", "UnpackStats", "available_backends", "BackendStatus", "BACKENDS", "DTYPES", "DTYPE_NAMES"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # config and CLI spelling
 
 
 class UnpackStats(NamedTuple):

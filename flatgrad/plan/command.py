@@ -15,24 +15,14 @@ import argparse
 import json
 import sys
 
-import torch
-
+from ..cli import positive_int as _positive_int
+from ..kernels import DTYPE_NAMES
 from . import models, report, schedules
 from .cost import CostModel
 
 __all__ = ["add_arguments", "run_from_args"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(float(text)) if "e" in text.lower() else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+_DTYPES = DTYPE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -79,9 +79,9 @@ class FlatgradConfig:
 
     def torch_comm_dtype(self):
         """``comm_dtype`` as a torch dtype, or None."""
-        import torch
+        from ...kernels import DTYPE_NAMES
 
-        return {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.comm_dtype]
+        return None if self.comm_dtype is None else DTYPE_NAMES[self.comm_dtype]
 
 
 def load_config(config: str | os.PathLike | Mapping[str, Any] | None) -> dict:
