@@ -6,13 +6,63 @@ DeepSpeed integration drives it from its own hooks (``register_hooks=False``).
 [Note: bucket lifecycle]
 A bucket is a list of parameters whose gradients become ready together in
 backward. At construction every bucket gets a static ``Layout`` over its params'
-numels (bucket order = layout order), a persistent comm buffer of
-``layout.numel`` elements (``input``), this rank's ``S``-element reduce_scatter
-``output``, and a persistent fp32 grad ``shard`` of ``S`` elements. Per micro-step:
+numels (bucket order = layout order) and a slot in the reducer's pool of comm
+buffers (see [Note: comm buffer pool]). Per micro-step:
 
 1. ``mark_ready(param)`` (the post-accumulate-grad hook) counts the bucket down;
 2. when it reaches zero, and every earlier bucket has been launched (see
-   [Note: launch order]), one fused ``pack`` fills ``input`` (cast to the comm
+   [Note: launch order]), the bucket waits until its comm buffer's previous
+   occupant has been unpacked, one fused ``pack`` fills the buffer (cast to the
+   comm dtype, pre-scale, zero padding; a param without a gradient packs as
+   zeros), ``param.grad`` is dropped, and one async ``reduce_scatter`` starts,
+   in place: its output is this rank's own chunk of the buffer;
+3. one fused ``unpack`` casts that chunk to the shard dtype (fp32), post-scales
+   it, and copies it into the bucket's ``shard`` on the first micro-step of an
+   accumulation window or adds it afterwards (see [Note: shard lifetime]);
+4. ``finish()`` launches what is left, waits for everything, and the shards
+   are final for this micro-step.
+
+Nothing on this path syncs the host or rebuilds a table. The comm buffers are
+made once; a bucket's shard is made at its first unpack of an accumulation
+window. A non-contiguous gradient is copied to a contiguous one before
+packing (off the common path).
+
+[Note: comm buffer pool]
+Stock DeepSpeed keeps one or two bucket-sized IPG buffers, not one per bucket;
+so does flatgrad. The buckets of one device and comm dtype share
+``comm_buffers`` buffers (default 2), each as large as the largest of those
+buckets, so a pool too small for a bucket cannot be built. Bucket ``k`` uses
+buffer ``k mod comm_buffers``: launches are in bucket order, so the
+assignment is static and every rank uses the same one. Before bucket ``k``
+packs, bucket ``k - comm_buffers`` (the buffer's previous occupant in this
+micro-step) must have been unpacked: on CUDA ``pack_stream`` waits on that
+bucket's ``unpacked`` event, on CPU the reducer unpacks it first, waiting on
+its collective's ``Work``. With two or more buffers the pack of bucket
+``k + 1`` therefore still runs while bucket ``k``'s collective is in flight.
+Across micro-steps nothing is needed: ``finish()`` has drained everything.
+
+The reduce_scatter runs in place: its output is the rank's chunk
+``buffer[rank * S : (rank + 1) * S]`` of its input. NCCL's reduce_scatter
+defines that case (recvbuff == sendbuff + rank * recvcount), and gloo's list
+and tensor forms give the same bits in place as out of place (checked in
+``tests/test_comm.py``), so no backend here needs a separate output buffer.
+
+[Note: shard lifetime]
+The fp32 shards live only while a gradient is being accumulated or waits to
+be consumed. A bucket's shard is allocated when the bucket is first unpacked
+in an accumulation window (that unpack copies, later ones add), and all are
+released by ``zero_grad()``, which the owner calls once the optimizer has
+consumed them. Between steps a reducer therefore holds only its comm
+buffers. Allocating per bucket, as its gradients are dropped, rather than one
+arena for all buckets at the first launch, keeps the shards out of the
+activation peak of backward: measured on ZeRO-1 (which reduces in the
+boundary's backward), one arena raised the peak by most of the shards' size
+(``bench/memory.py``). On CUDA the caching allocator serves these from its
+cache after the first step, with no device allocation. ``grad_shards()`` hands
+out the current window's shards; a caller that keeps one keeps its memory
+alive (a shard is dropped, never resized under a view).
+
+[Note: launch order]), one fused ``pack`` fills ``input`` (cast to the comm
    dtype, pre-scale, zero padding), ``param.grad`` is dropped, and one async
    ``reduce_scatter`` starts;
 3. one fused ``unpack`` casts ``output`` to fp32, post-scales it, and copies it
@@ -54,12 +104,17 @@ On CUDA three streams take part, each for one reason:
   from ``pack_stream`` so that the pack of bucket ``k + 1`` does not queue
   behind the collective of bucket ``k``.
 
-``finish()`` makes the current stream wait on ``unpack_stream``. The next
-micro-step's pack waits on the current stream, hence on every earlier unpack,
-so the persistent ``input``/``output``/``shard`` buffers are never written
-while a previous reader may still be running. On CPU (gloo) the collective
-runs on gloo's threads; the pack runs in the hook, and the unpack of a bucket
-runs as soon as its collective is found complete at a later launch, or in
+Within a micro-step a pooled comm buffer is handed from unpack to pack by
+the ``unpacked`` event of its previous occupant (see [Note: comm buffer
+pool]). ``finish()`` makes the current stream wait on ``unpack_stream``. The
+next micro-step's pack waits on the current stream, hence on every earlier
+unpack, so a comm buffer or shard is never written while a previous reader
+may still be running. The shard arena is allocated on the current stream
+(outside the side-stream contexts) and dropped after ``finish()`` has made
+the current stream wait for every unpack, so the caching allocator can reuse
+it safely. On CPU (gloo) the collective runs on gloo's threads; the pack runs
+in the hook, and the unpack of a bucket runs as soon as its collective is
+found complete at a later launch, when its buffer is needed again, or in
 ``finish()``.
 
 [Note: layout agreement]
@@ -96,11 +151,12 @@ _LAYOUT_KINDS = ("flat", "chunked")
 
 
 class GradShard(NamedTuple):
-    """One bucket's fp32 gradient shard on this rank and what it holds.
+    """One bucket's gradient shard on this rank and what it holds.
 
     Attributes:
         bucket_id: index of the bucket.
-        shard: fp32 tensor of ``layout.shard_numel`` elements (padding included).
+        shard: tensor of ``layout.shard_numel`` elements (padding included), of the
+            reducer's ``accum_dtype`` (fp32 by default).
         layout: the bucket's layout.
         params: the bucket's params, in layout order.
         pieces: ``layout.pieces(rank)``: which slice of which param lies where in ``shard``.
@@ -163,14 +219,16 @@ class _Bucket:
 
     __slots__ = (
         "id", "params", "layout", "device", "comm_dtype", "op", "method", "kernels", "pack_scale",
-        "unpack_scale", "input", "input_chunks", "output", "shard", "pieces",
-        "pack_stream", "unpack_stream", "ready", "not_ready", "pending", "launched", "work",
+        "unpack_scale", "input", "input_chunks", "output", "shard", "accumulate", "pieces", "previous",
+        "unpacked", "in_flight", "pack_stream", "unpack_stream", "ready", "not_ready", "pending", "launched",
+        "work",
     )  # fmt: skip
 
     def reset(self) -> None:
         self.ready[:] = self.not_ready
         self.pending = len(self.params)
         self.launched = False
+        self.in_flight = False
         self.work = None
 
 
@@ -194,6 +252,12 @@ class BucketReducer:
         register_hooks: register a post-accumulate-grad hook on every param
             that calls ``mark_ready``; ``False`` when the caller has its own hooks.
         method: reduce_scatter method (see [Note: reduce_scatter method] in ``flatgrad.comm``).
+        comm_buffers: how many bucket-sized comm buffers the buckets of one device
+            and comm dtype share (see [Note: comm buffer pool]); 1 serialises
+            pack and collective, 2 (the default) overlaps them as stock's double
+            IPG buffer does.
+        accum_dtype: dtype of the gradient shards, which accumulate micro-steps
+            (fp32 by default; see [Note: shard lifetime]).
 
     Attributes:
         buckets: the buckets, as lists of params in layout order.
@@ -201,6 +265,8 @@ class BucketReducer:
         rank: this rank in ``process_group``.
         world_size: size of ``process_group``.
         kernel_backends: the flatgrad kernel backend each bucket packs and unpacks with.
+        comm_buffer_bytes: bytes held by the comm buffer pool (all the time).
+        shard_bytes: bytes of the shards of one accumulation window (held only during one).
     """
 
     def __init__(
@@ -217,6 +283,8 @@ class BucketReducer:
         backend: str | None = None,
         register_hooks: bool = True,
         method: str = "auto",
+        comm_buffers: int = 2,
+        accum_dtype: torch.dtype = torch.float32,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -230,6 +298,7 @@ class BucketReducer:
         local_error: Exception | None = None
         description: list[tuple] = []
         try:
+            _check_pool_args(comm_buffers, accum_dtype)
             plans = self._plan(
                 buckets, comm_dtype, layout, align, average, prescale, postscale, backend, method, register_hooks
             )
@@ -241,17 +310,17 @@ class BucketReducer:
             _agree(process_group, self.rank, self.world_size, description, local_error, device)
         if local_error is not None:
             raise local_error
-        self._buckets = [self._allocate(i, plan) for i, plan in enumerate(plans)]
+        self.accum_dtype = accum_dtype
+        self._buckets = [self._bucket(i, plan) for i, plan in enumerate(plans)]
+        self._pools = self._allocate_pools(comm_buffers)
         self.buckets: list[list[nn.Parameter]] = [list(b.params) for b in self._buckets]
         self.layouts: list[Layout] = [b.layout for b in self._buckets]
         self.kernel_backends: list[str] = [getattr(b.kernels, "name", type(b.kernels).__name__) for b in self._buckets]
+        self.comm_buffer_bytes: int = sum(t.numel() * t.element_size() for pool in self._pools.values() for t in pool)
+        self.shard_bytes: int = sum(b.layout.shard_numel for b in self._buckets) * accum_dtype.itemsize
         self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
-        self._shards = [
-            GradShard(b.id, b.shard, b.layout, list(b.params), list(b.pieces)) for b in self._buckets
-        ]
         self._next = 0  # the first bucket not launched yet this micro-step; see [Note: launch order]
         self._in_step = False  # some bucket was marked or launched since the last finish()
-        self._accumulate = False  # unpack adds (True) or copies (False); see zero_grad()
         self._inflight: deque[_Bucket] = deque()  # CPU: launched buckets not unpacked yet
         self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # stands in for missing grads
         self._lock = threading.Lock()  # hooks of several devices run on their own autograd threads
@@ -329,8 +398,8 @@ class BucketReducer:
             )  # fmt: skip
         return plans
 
-    def _allocate(self, bucket_id: int, plan: dict) -> _Bucket:
-        """Make a bucket's persistent buffers, views and streams (once)."""
+    def _bucket(self, bucket_id: int, plan: dict) -> _Bucket:
+        """A bucket's static plan and per-micro-step state (its buffers come from the pool)."""
         b = _Bucket()
         b.id = bucket_id
         b.params = plan["params"]
@@ -342,23 +411,37 @@ class BucketReducer:
         b.kernels = plan["kernels"]
         b.pack_scale = plan["pack_scale"]
         b.unpack_scale = plan["unpack_scale"]
-        layout: Layout = b.layout
-        b.input = torch.empty(layout.numel, dtype=b.comm_dtype, device=b.device)
-        b.input_chunks = list(b.input.chunk(self.world_size)) if self.world_size > 1 else [b.input]
-        # World size 1: the reduction is the identity, so unpack reads the packed buffer itself.
-        if self.world_size == 1:
-            b.output = b.input
-        else:
-            b.output = torch.empty(layout.shard_numel, dtype=b.comm_dtype, device=b.device)
-        b.shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=b.device)
-        b.pieces = tuple(layout.pieces(self.rank))
-        b.pack_stream = b.unpack_stream = None
+        b.shard = None
+        b.accumulate = False
+        b.pieces = tuple(b.layout.pieces(self.rank))
+        b.previous = None
+        b.pack_stream = b.unpack_stream = b.unpacked = None
         if b.device.type == "cuda":
             b.pack_stream, b.unpack_stream = _side_streams(b.device)
+            b.unpacked = torch.cuda.Event()
         b.not_ready = [False] * len(b.params)
         b.ready = list(b.not_ready)
         b.reset()
         return b
+
+    def _allocate_pools(self, comm_buffers: int) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+        """Make the comm buffer pools (once) and give every bucket its views. See [Note: comm buffer pool]."""
+        members: dict[tuple[torch.device, torch.dtype], list[_Bucket]] = {}
+        for b in self._buckets:
+            members.setdefault((b.device, b.comm_dtype), []).append(b)
+        pools = {}
+        for (device, dtype), buckets in members.items():
+            count = min(comm_buffers, len(buckets))
+            size = max(b.layout.numel for b in buckets)
+            pool = pools[(device, dtype)] = [torch.empty(size, dtype=dtype, device=device) for _ in range(count)]
+            for k, b in enumerate(buckets):
+                layout: Layout = b.layout
+                b.input = pool[k % count].narrow(0, 0, layout.numel)
+                b.input_chunks = list(b.input.chunk(self.world_size))
+                # In place: this rank's chunk of the input. World size 1: the whole input.
+                b.output = b.input.narrow(0, self.rank * layout.shard_numel, layout.shard_numel)
+                b.previous = buckets[k - count] if k >= count else None
+        return pools
 
     # ------------------------------------------------------------------ hot path
 
@@ -428,13 +511,19 @@ class BucketReducer:
         """Pack, drop the grads, start the reduce_scatter (and on CUDA queue the unpack)."""
         grads = self._grads(b)
         if b.pack_stream is None:
+            if b.previous is not None and b.previous.in_flight:
+                self._drain(block=True, through=b.previous)  # its comm buffer is this bucket's
             b.kernels.pack(grads, b.layout, b.input, b.pack_scale)
             b.work = self._reduce_scatter(b)
+            b.in_flight = True
             self._inflight.append(b)
         else:
-            # See [Note: streams].
+            # See [Note: streams]. The shard is allocated on the current stream: see [Note: shard lifetime].
+            self._ensure_shard(b)
             current = torch.cuda.current_stream(b.device)
             b.pack_stream.wait_stream(current)
+            if b.previous is not None:
+                b.pack_stream.wait_event(b.previous.unpacked)  # see [Note: comm buffer pool]
             with torch.cuda.stream(b.pack_stream):
                 b.kernels.pack(grads, b.layout, b.input, b.pack_scale)
                 for p, g in zip(b.params, grads):
@@ -447,6 +536,7 @@ class BucketReducer:
                 else:
                     b.unpack_stream.wait_stream(b.pack_stream)
                 self._unpack(b)
+                b.unpacked.record(b.unpack_stream)
         for p in b.params:
             p.grad = None
         b.launched = True
@@ -462,11 +552,23 @@ class BucketReducer:
         except Exception as exc:
             raise RuntimeError(f"flatgrad: reduce_scatter of bucket {b.id} failed on rank {self.rank}: {exc}") from exc
 
-    def _unpack(self, b: _Bucket) -> None:
-        b.kernels.unpack(b.output, b.layout, self.rank, [b.shard], False, b.unpack_scale, self._accumulate, False)
+    def _ensure_shard(self, b: _Bucket) -> None:
+        """Give ``b`` its shard for this window if it has none; its first unpack then copies. See [Note: shard lifetime]."""
+        if b.shard is None:
+            b.shard = torch.empty(b.layout.shard_numel, dtype=self.accum_dtype, device=b.device)
+            b.accumulate = False
 
-    def _drain(self, block: bool) -> None:
-        """CPU: unpack launched buckets in launch order, waiting for their collectives only if ``block``."""
+    def _unpack(self, b: _Bucket) -> None:
+        self._ensure_shard(b)
+        b.kernels.unpack(b.output, b.layout, self.rank, [b.shard], False, b.unpack_scale, b.accumulate, False)
+        b.accumulate = True
+
+    def _drain(self, block: bool, through: _Bucket | None = None) -> None:
+        """CPU: unpack launched buckets in launch order.
+
+        Waits for their collectives if ``block``; with ``through``, waits up to
+        and including that bucket only.
+        """
         while self._inflight:
             b = self._inflight[0]
             if b.work is not None:
@@ -480,7 +582,10 @@ class BucketReducer:
                         f"(world size {self.world_size}): {exc}"
                     ) from exc
             self._unpack(b)
+            b.in_flight = False
             self._inflight.popleft()
+            if b is through:
+                return
 
     # ------------------------------------------------------------------ epilogue
 
@@ -498,17 +603,30 @@ class BucketReducer:
                 b.reset()
             self._next = 0
             self._in_step = False
-            self._accumulate = True
 
     def zero_grad(self) -> None:
-        """Start a new accumulation window: the next micro-step copies into the shards instead of adding."""
+        """Start a new accumulation window and release the shards (see [Note: shard lifetime]).
+
+        Call it once the optimizer has consumed the shards; the next micro-step
+        allocates fresh ones and copies into them instead of adding.
+        """
         if self._in_step:
             raise RuntimeError("zero_grad() in the middle of a micro-step: call finish() first")
-        self._accumulate = False
+        for b in self._buckets:
+            b.shard = None
 
     def grad_shards(self) -> list[GradShard]:
-        """Every bucket's fp32 shard with its layout, params and pieces (valid after ``finish()``)."""
-        return list(self._shards)
+        """Every bucket's shard with its layout, params and pieces (valid after ``finish()``, until ``zero_grad()``)."""
+        if self._in_step or any(b.shard is None for b in self._buckets):
+            raise RuntimeError(
+                "no gradient shards: none were reduced since the last zero_grad(), or a micro-step is still "
+                "running (run a backward and finish() first)"
+            )
+        return [GradShard(b.id, b.shard, b.layout, list(b.params), list(b.pieces)) for b in self._buckets]
+
+    def has_shards(self) -> bool:
+        """Whether any bucket holds a shard (an accumulation window is open)."""
+        return any(b.shard is not None for b in self._buckets)
 
     def remove_hooks(self) -> None:
         """Remove the post-accumulate-grad hooks this reducer registered."""
@@ -519,6 +637,13 @@ class BucketReducer:
             for p in b.params:
                 if _hook_owner(p) is self:
                     del _HOOKED[id(p)]
+
+
+def _check_pool_args(comm_buffers: object, accum_dtype: object) -> None:
+    if isinstance(comm_buffers, bool) or not isinstance(comm_buffers, int) or comm_buffers < 1:
+        raise ValueError(f"comm_buffers must be an int >= 1, got {comm_buffers!r}")
+    if accum_dtype not in DTYPES:
+        raise ValueError(f"accum_dtype must be one of fp32, bf16, fp16, got {accum_dtype!r}")
 
 
 def _conform(b: _Bucket, i: int, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -308,6 +308,83 @@ def test_two_backwards_before_one_step_both_count():
             assert diff <= 0.05 * update, (name, diff, update)
 
 
+# --------------------------------------------------------------------------- memory
+
+
+def _memory_rank(rank, world_size, stage, dtype):
+    """Bytes live between steps and at the peak, stock and flatgrad, counted from before the model is built.
+
+    Also whether flatgrad's fp32 partitions exist inside an accumulation window and are gone after step().
+    """
+    from flatgrad.bench.memory_census import MemoryCensus
+    from flatgrad.kernels import _tables as tables
+
+    batches = make_batches(rank, 4, 2, 64, 64)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    out = {}
+    for kind in ("stock", "flatgrad"):
+        with MemoryCensus("cpu") as census:
+            torch.manual_seed(0)
+            model = MLP(d_in=64, hidden=96, d_out=64, layers=6)
+            n = sum(p.numel() for p in model.parameters())
+            cfg = ds_config(stage, world_size=world_size, gas=2, bucket=n // 4, dtype=dtype)
+            engine = _engine(kind, cfg, model=model)
+            census.mark("built")
+            census.reset_peak()
+            alive = []
+            for x, y in batches:
+                engine.backward(engine(x.to(torch_dtype), y.to(torch_dtype)))
+                reduction = getattr(engine.optimizer, "_flatgrad", None)
+                if reduction is not None:
+                    alive.append(reduction.reducers[0].has_shards())
+                engine.step()
+                if reduction is not None:
+                    alive.append(reduction.partitions is not None or reduction.reducers[0].has_shards())
+            census.mark("between steps")
+        largest = max(lay.numel for lay in reduction.layouts) if kind == "flatgrad" else n // 4
+        out[kind] = {
+            "between": census.at("between steps"), "peak": census.peak,
+            "alive": alive, "largest": largest, "pool": sum(r.comm_buffer_bytes for r in reduction.reducers)
+            if kind == "flatgrad" else 0, "tables": tables.nbytes(), "scalars": _optimizer_scalar_bytes(engine),
+        }  # fmt: skip
+        engine.destroy()
+        del engine, model
+    return out
+
+
+def _optimizer_scalar_bytes(engine) -> int:
+    """Bytes of the optimizer's one-element state tensors (Adam's ``step``): one set per (sub-)group."""
+    return sum(
+        v.element_size()
+        for state in engine.optimizer.optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.numel() == 1
+    )
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage,dtype", [(2, "bf16"), (2, "fp32"), (1, "fp32")])
+def test_memory_between_steps_and_peak_within_the_targets_of_stock(stage, dtype):
+    """Issue 9's targets: between steps <= stock + 2 buckets of comm dtype; peak <= stock + 1 fp32 bucket.
+
+    Three terms are named, not hidden: the run tables flatgrad caches (hundreds of bytes here), the
+    optimizer's per-group scalars (Adam's ``step``) of the extra sub-groups, and gloo's own copy of the other ranks' chunks inside its reduce_scatter ((W-1)/W of a bucket,
+    measured in bench/memory.py; NCCL's reduce_scatter allocates nothing), which stock's
+    all_reduce does not make.
+    """
+    comm, world_size = (2 if dtype == "bf16" else 4), 2
+    for rank, out in enumerate(launch(_memory_rank, world_size, stage, dtype, timeout=190)):
+        stock, fg = out["stock"], out["flatgrad"]
+        # The partitions: alive after every backward of a window (ZeRO-1: from the boundary), gone after step().
+        expected = [stage == 2, stage == 2, True, False] * 2
+        assert fg["alive"] == expected, (rank, fg["alive"])
+        assert fg["pool"] == 2 * fg["largest"] * comm
+        metadata = fg["tables"] + fg["scalars"] - stock["scalars"]
+        assert fg["between"] <= stock["between"] + 2 * fg["largest"] * comm + metadata, (rank, stock, fg)
+        gloo_copy = (world_size - 1) * fg["largest"] * comm // world_size
+        assert fg["peak"] <= stock["peak"] + 4 * fg["largest"] + gloo_copy + metadata, (rank, stock, fg)
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

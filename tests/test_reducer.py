@@ -104,6 +104,8 @@ _EXACT_CONFIGS = [
     dict(comm_dtype=torch.float16, average=True, layout="flat", align=1),  # 1/W folded: pre 1/p, post p/W
     dict(comm_dtype=torch.bfloat16, average=True, layout="flat", align=1, no_avg=True),  # 1/W folded into unpack
     dict(comm_dtype=torch.float32, average=False, layout="flat", align=1, prescale=2.0, postscale=0.25),
+    dict(comm_dtype=torch.float32, average=True, layout="flat", align=1, comm_buffers=1),  # pack waits for unpack
+    dict(comm_dtype=torch.bfloat16, average=True, layout="chunked", align=1, comm_buffers=3),
 ]
 
 
@@ -335,6 +337,9 @@ def _refusals_rank(rank: int, world_size: int) -> dict:
     attempt("duplicate", lambda: BucketReducer([[dense], [dense]]))
     attempt("empty bucket", lambda: BucketReducer([[dense], []]))
     attempt("sparse module", lambda: build_buckets(nn.Embedding(5, 2, sparse=True), 10))
+    for bad in (0, True, 1.5):
+        attempt(f"comm_buffers={bad!r}", lambda: BucketReducer([[dense]], comm_buffers=bad))
+    attempt("accum_dtype int", lambda: BucketReducer([[dense]], accum_dtype=torch.int32))
 
     emb = nn.Embedding(5, 2, sparse=True)
     reducer = BucketReducer([list(emb.parameters())])
@@ -370,6 +375,10 @@ def test_setup_refusals_and_misuse():
     assert out["duplicate"][0] == "ValueError" and "buckets[0][0]" in out["duplicate"][1]
     assert out["empty bucket"][0] == "TypeError" and "buckets[1]" in out["empty bucket"][1]
     assert out["sparse module"][0] == "ValueError" and "sparse" in out["sparse module"][1]
+    for bad in (0, True, 1.5):
+        kind, message = out[f"comm_buffers={bad!r}"]
+        assert kind == "ValueError" and "comm_buffers" in message and repr(bad) in message
+    assert out["accum_dtype int"][0] == "ValueError" and "accum_dtype" in out["accum_dtype int"][1]
     assert out["sparse grad"][0] == "ValueError" and "sparse gradient" in out["sparse grad"][1]
     kind, message = out["second hooked reducer"]
     assert kind == "ValueError" and "another BucketReducer" in message and "remove_hooks" in message
@@ -415,3 +424,136 @@ def test_reducer_needs_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         BucketReducer([[nn.Parameter(torch.zeros(2))]])
+
+
+# --------------------------------------------------------------------------- memory: pool and shard lifetime
+
+
+def _pool_rank(rank: int, world_size: int) -> list:
+    """Random bucket plans: every bucket's buffer comes from the pool, fits, and its output is its own chunk."""
+    gen = torch.Generator().manual_seed(5)
+    failures = []
+    for case in range(40):
+        n_buckets = int(torch.randint(1, 7, (), generator=gen))
+        buckets = [
+            [nn.Parameter(torch.zeros(int(n))) for n in torch.randint(1, 60, (int(torch.randint(1, 4, (), generator=gen)),), generator=gen)]
+            for _ in range(n_buckets)
+        ]
+        comm_buffers = int(torch.randint(1, 4, (), generator=gen))
+        layout = ("flat", "chunked")[case % 2]
+        reducer = BucketReducer(buckets, comm_buffers=comm_buffers, layout=layout, register_hooks=False)
+        pool = reducer._pools[(torch.device("cpu"), torch.float32)]
+        largest = max(lay.numel for lay in reducer.layouts)
+        if len(pool) != min(comm_buffers, n_buckets) or any(t.numel() != largest for t in pool):
+            failures.append((case, "pool shape", len(pool), [t.numel() for t in pool], largest))
+        if reducer.comm_buffer_bytes != len(pool) * largest * 4:
+            failures.append((case, "comm_buffer_bytes", reducer.comm_buffer_bytes))
+        for k, b in enumerate(reducer._buckets):
+            home = pool[k % len(pool)]
+            s = b.layout.shard_numel
+            if b.input.data_ptr() != home.data_ptr() or b.input.numel() != b.layout.numel > home.numel():
+                failures.append((case, k, "input not in its pool buffer"))
+            if b.output.data_ptr() != home.data_ptr() + rank * s * 4 or b.output.numel() != s:
+                failures.append((case, k, "output is not this rank's chunk of the input"))
+            expected_previous = reducer._buckets[k - len(pool)] if k >= len(pool) else None
+            if b.previous is not expected_previous:
+                failures.append((case, k, "previous occupant"))
+    return failures
+
+
+@pytest.mark.timeout(60)
+def test_comm_pool_holds_every_bucket_and_reduce_scatters_in_place():
+    for rank, failures in enumerate(run_ranks(_pool_rank, 2, timeout=50)):
+        assert not failures, f"rank {rank}: {failures[:5]}"
+
+
+def _lifetime_rank(rank: int, world_size: int) -> dict:
+    """Shard bytes are allocated by the first micro-step and released by zero_grad(), measured by a census."""
+    from flatgrad.bench.memory_census import MemoryCensus
+
+    model = _IntNet()
+    reducer = BucketReducer(build_buckets(model, 24))
+    out: dict = {"shard_bytes": reducer.shard_bytes}
+    try:
+        reducer.grad_shards()
+    except RuntimeError as exc:
+        out["before"] = str(exc)
+    out["largest_bucket_bytes"] = max(lay.numel for lay in reducer.layouts) * 4
+    out["pointers"] = []
+    with MemoryCensus("cpu") as census:
+        census.mark("start")
+        for step in range(2):
+            model.loss(rank, step).backward()
+            reducer.finish()
+            out["pointers"].append([gs.shard.data_ptr() for gs in reducer.grad_shards()])
+            census.mark(f"after micro-step {step}")
+        out["shards"] = [gs.shard.clone() for gs in reducer.grad_shards()]
+        census.mark("read")
+        reducer.zero_grad()
+        census.mark("after zero_grad")
+    out["marks"] = dict(census.marks)
+    try:
+        reducer.grad_shards()
+    except RuntimeError as exc:
+        out["after"] = str(exc)
+    reducer.remove_hooks()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_shards_live_from_the_first_micro_step_until_zero_grad():
+    for out in run_ranks(_lifetime_rank, 2, timeout=50):
+        marks, shard_bytes = out["marks"], out["shard_bytes"]
+        assert shard_bytes > 0
+        assert "zero_grad" in out["before"] and "zero_grad" in out["after"]
+        # The second micro-step adds into the same shards: no new shard memory.
+        assert out["pointers"][0] == out["pointers"][1]
+        assert marks["after micro-step 0"] - marks["start"] >= shard_bytes
+        assert sum(t.numel() * t.element_size() for t in out["shards"]) == shard_bytes
+        # zero_grad() frees the shards (the clones read from them stay). gloo's worker threads may
+        # free the scratch copies of the last reduce_scatter in between: at most half a bucket at W=2.
+        freed = marks["read"] - marks["after zero_grad"]
+        assert shard_bytes <= freed <= shard_bytes + out["largest_bucket_bytes"] // 2, (marks, shard_bytes)
+
+
+def _overlap_rank(rank: int, world_size: int, comm_buffers: int) -> list:
+    """The order of launches and of blocking waits for a buffer's previous occupant, on a real reducer."""
+    model = _MLP()
+    reducer = BucketReducer(build_buckets(model, 600), comm_buffers=comm_buffers)
+    events = []
+    launch, drain = reducer._launch, reducer._drain
+
+    def spy_launch(b):
+        events.append(("launch", b.id))
+        launch(b)
+
+    def spy_drain(block, through=None):
+        if through is not None:
+            events.append(("wait for", through.id))
+        drain(block, through)
+
+    reducer._launch, reducer._drain = spy_launch, spy_drain
+    model.loss(rank, 0).backward()
+    reducer.finish()
+    reducer.remove_hooks()
+    return [len(reducer.buckets), events]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("comm_buffers", [1, 2])
+def test_pack_of_the_next_bucket_overlaps_the_collective_with_two_buffers(comm_buffers):
+    n_buckets, events = run_ranks(_overlap_rank, 2, comm_buffers, timeout=50)[0]
+    assert n_buckets >= 3
+    # The blocking waits made inside each launch (before its pack), by launched bucket.
+    waits: dict[int, list[int]] = {}
+    current = None
+    for kind, bucket in events:
+        if kind == "launch":
+            current = bucket
+            waits[bucket] = []
+        else:
+            waits[current].append(bucket)
+    # A launch waits only for its buffer's previous occupant, comm_buffers launches back. One
+    # buffer: bucket 1 waits for bucket 0. Two: bucket 1 packs while bucket 0's collective may run.
+    assert all(w == k - comm_buffers for k, ws in waits.items() for w in ws), events
+    assert waits[1] == ([0] if comm_buffers == 1 else []), events

@@ -41,6 +41,12 @@ def unpack_runs(layout: Layout, rank: int, per_piece: bool, device: torch.device
     )
 
 
+def nbytes() -> int:
+    """Bytes held by the cached device tables (counted in flatgrad's memory figures)."""
+    with _lock:
+        return sum(t.numel() * t.element_size() for t in _cache.values())
+
+
 def clear() -> None:
     """Drop every cached device table (tests, or to free device memory)."""
     with _lock:

@@ -38,6 +38,9 @@ class FlatgradConfig:
         reduce_scatter: ``auto`` (``reduce_scatter_tensor`` on NCCL, the list form on gloo;
             under ZeRO-3 always the tensor form, the collective stock ZeRO-3 issues, which keeps
             results bitwise equal to stock), ``tensor`` or ``list``.
+        comm_buffers: ZeRO-1/2: how many bucket-sized comm buffers all sub-groups share (2, like
+            stock's double IPG buffer, lets a pack overlap the previous collective; 1 saves one
+            bucket of memory and serialises them).
     """
 
     enabled: bool = True
@@ -45,6 +48,7 @@ class FlatgradConfig:
     comm_dtype: str | None = None
     bucket_numel: int | None = None
     reduce_scatter: str = "auto"
+    comm_buffers: int = 2
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "FlatgradConfig":
@@ -71,6 +75,10 @@ class FlatgradConfig:
             isinstance(cfg.bucket_numel, bool) or not isinstance(cfg.bucket_numel, int) or cfg.bucket_numel < 1
         ):
             raise UnsupportedConfigError(f"'{SECTION}.bucket_numel' must be a positive int, got {cfg.bucket_numel!r}")
+        if isinstance(cfg.comm_buffers, bool) or not isinstance(cfg.comm_buffers, int) or cfg.comm_buffers < 1:
+            raise UnsupportedConfigError(
+                f"'{SECTION}.comm_buffers' must be an int >= 1, got {cfg.comm_buffers!r}"
+            )
         if cfg.reduce_scatter not in _METHODS:
             raise UnsupportedConfigError(
                 f"'{SECTION}.reduce_scatter' must be one of {_METHODS}, got {cfg.reduce_scatter!r}"

@@ -11,7 +11,7 @@ DeepSpeed then flattens each sub-group and gives every rank an equal 1/W of
 it, padded to a multiple of ``W * nccl_start_alignment_factor``: exactly
 ``Layout.flat(numels, W, align=nccl_start_alignment_factor)``. Each
 sub-group is one balanced bucket: one fused pack, one reduce_scatter, one
-fused unpack into a persistent fp32 partition. ``install`` checks the layout
+fused unpack into an fp32 partition. ``install`` checks the layout
 against DeepSpeed's own bookkeeping (flat buffer offsets, ``partition_size``,
 ``params_in_partition``, ``first_offset``, insertion offsets) and raises on
 any difference, so a DeepSpeed change can never silently scramble gradients.
@@ -28,6 +28,18 @@ hands ``step()`` each sub-group's fp32 partition as
 ``flat_partition`` step() takes as it is (no copy); the per-piece views keep
 the gradient norm, the overflow check and ``safe_get_full_grad`` working
 unchanged. ZeRO-1 reduces once at the boundary through the same seams.
+
+[Note: ZeRO-2 memory]
+Stock frees its IPG buffers and gradient partitions between steps, so
+flatgrad must too. The reducers' comm buffers are a pool of
+``comm_buffers`` (default 2) buffers of the largest sub-group, shared by all
+sub-groups, with the reduce_scatter in place (see [Note: comm buffer pool] in
+``flatgrad/reducer.py``): between steps that is all flatgrad holds, against
+stock's double IPG buffer. The fp32 partitions exist from the first
+micro-step of an accumulation window (ZeRO-1: from the boundary, where it
+reduces) until ``step()`` has consumed them: the step wrapper calls the
+reducers' ``zero_grad()``, which drops them. The per-piece views ``step()``
+and the norm read are rebuilt from a plan made once, per window.
 
 This module holds no kernels and no collectives: the reducer does.
 """
@@ -276,27 +288,38 @@ def _verify_layout(optimizer: Any, i: int, layout: Layout, rank: int) -> None:
             fail(f"start offset of param {pc.tensor_index} differs")
 
 
-def _partition_views(
-    shard: torch.Tensor, layout: Layout, rank: int, params: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Per-piece views of ``shard`` in partition order, plus flagged padding, as step() expects."""
-    views: list[torch.Tensor] = []
+def _view_plan(
+    layout: Layout, rank: int, params: Sequence[torch.Tensor]
+) -> list[tuple[int, int, torch.Size | None]]:
+    """``(offset, length, shape)`` of every view step() expects of the partition, in partition order.
+
+    One view per piece (shaped like its param when it holds all of it), and one
+    per gap of padding, marked by ``shape is None``.
+    """
+    plan: list[tuple[int, int, torch.Size | None]] = []
     cursor = 0
     for pc in layout.pieces(rank):
         if pc.shard_offset > cursor:
-            pad = shard.narrow(0, cursor, pc.shard_offset - cursor)
-            pad._zero_padding = True
-            views.append(pad)
-        view = shard.narrow(0, pc.shard_offset, pc.length)
+            plan.append((cursor, pc.shard_offset - cursor, None))
         p = params[pc.tensor_index]
-        if pc.tensor_offset == 0 and pc.length == p.numel():
-            view = view.view(p.shape)
-        views.append(view)
+        whole = pc.tensor_offset == 0 and pc.length == p.numel()
+        plan.append((pc.shard_offset, pc.length, p.shape if whole else torch.Size([pc.length])))
         cursor = pc.shard_offset + pc.length
     if cursor < layout.shard_numel:
-        pad = shard.narrow(0, cursor, layout.shard_numel - cursor)
-        pad._zero_padding = True
-        views.append(pad)
+        plan.append((cursor, layout.shard_numel - cursor, None))
+    return plan
+
+
+def _partition_views(shard: torch.Tensor, plan: list[tuple[int, int, torch.Size | None]]) -> list[torch.Tensor]:
+    """The views of ``plan`` over ``shard``; padding views carry ``_zero_padding`` as step() expects."""
+    views: list[torch.Tensor] = []
+    for offset, length, shape in plan:
+        view = shard.narrow(0, offset, length)
+        if shape is None:
+            view._zero_padding = True
+        elif len(shape) != 1:
+            view = view.view(shape)
+        views.append(view)
     return views
 
 
@@ -379,6 +402,7 @@ class Zero2Reduction:
                 backend=cfg.backend,
                 register_hooks=False,
                 method=cfg.reduce_scatter,
+                comm_buffers=cfg.comm_buffers,
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:
@@ -388,13 +412,14 @@ class Zero2Reduction:
                     self._reducer_of[id(p)] = reducer
             self.reducers.append(reducer)
 
-        # The fp32 partitions step() consumes, built once: their views never change.
-        self.partitions = []
-        for i, layout in enumerate(self.layouts):
-            reducer, b = self._slot[i]
-            shard = reducer.grad_shards()[b].shard
-            views = _partition_views(shard, layout, reducer.rank, o.round_robin_bit16_groups[i])
-            self.partitions.append(GradPartitionBufferGroup(views, shard))
+        # How step()'s per-piece views lie in each sub-group's partition, planned once; the
+        # partitions themselves live for one accumulation window. See [Note: ZeRO-2 memory].
+        self._buffer_group = GradPartitionBufferGroup
+        self._view_plans = [
+            _view_plan(layout, self._slot[i][0].rank, o.round_robin_bit16_groups[i])
+            for i, layout in enumerate(self.layouts)
+        ]
+        self.partitions: list[Any] | None = None
         self._window_open = False
         self.reductions = 0
         self.device = torch.device(get_accelerator().current_device_name())
@@ -411,14 +436,9 @@ class Zero2Reduction:
     # -- window: the micro-steps whose gradients one step() consumes
 
     def _open_window(self) -> None:
-        if self._window_open:
-            return
-        handed = self.optimizer.averaged_gradients
-        if not any(handed.get(i) is partition for i, partition in enumerate(self.partitions)):
-            for r in self.reducers:
-                r.zero_grad()
-        # Otherwise step() has not consumed the last hand-over yet (several backwards at one
-        # boundary): keep adding to the partitions, as PyTorch accumulates .grad until step.
+        # A new window starts with fresh partitions, unless step() has not consumed the last
+        # hand-over yet (several backwards at one boundary): then the reducers keep adding to
+        # them, as PyTorch accumulates .grad until step. step() releases them (see step()).
         self._window_open = True
 
     # -- the replaced seams
@@ -468,9 +488,32 @@ class Zero2Reduction:
 
     def _hand_over(self) -> None:
         o = self.optimizer
+        if self.partitions is None:
+            self.partitions = []
+            for i, plan in enumerate(self._view_plans):
+                reducer, b = self._slot[i]
+                shard = reducer.grad_shards()[b].shard
+                self.partitions.append(self._buffer_group(_partition_views(shard, plan), shard))
         for i, partition in enumerate(self.partitions):
             o.averaged_gradients[i] = partition
         self._window_open = False
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Wraps ``step``: once it has consumed the partitions, release them. See [Note: ZeRO-2 memory]."""
+        result = self._stock_step(*args, **kwargs)
+        self.release()
+        return result
+
+    def release(self) -> None:
+        """Drop this window's fp32 partitions (step() has consumed them, or skipped the step)."""
+        o = self.optimizer
+        if self.partitions is not None:
+            for i, partition in enumerate(self.partitions):
+                if o.averaged_gradients.get(i) is partition:
+                    o.averaged_gradients[i] = None
+        self.partitions = None
+        for r in self.reducers:
+            r.zero_grad()
 
     def load_universal(self, lp_groups_name: str, checkpoint_dir: str) -> None:
         """Replaces ``load_hp_checkpoint_state_from_checkpoint_dir`` (universal checkpoints).
@@ -621,6 +664,8 @@ class Zero2Reduction:
         o = self.optimizer
         self._stock_load_legacy = o._load_legacy_checkpoint
         o._load_legacy_checkpoint = self.load_legacy
+        self._stock_step = o.step
+        o.step = self.step
         o.reduce_independent_p_g_buckets_and_remove_grads = self.grad_ready
         o.independent_gradient_partition_epilogue = self.epilogue
         o.finalize_gradient_accumulation_boundary = self.finalize

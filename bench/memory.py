@@ -1,0 +1,282 @@
+"""Memory per rank, stock DeepSpeed against flatgrad: ZeRO-1, ZeRO-2 and ZeRO-3, fp32 and bf16, W = 2 and 4.
+
+The question: does flatgrad hold more memory than the stock ZeRO stage a user
+chose to save memory? Two figures per rank, for the same model, seed, batches
+and ``reduce_bucket_size`` (a quarter of the model by default):
+
+* ``between``: bytes live between optimizer steps (after ``step()``, before the
+  next forward), after the last of ``--steps`` steps;
+* ``peak``: the most bytes live at once during training (forward, backward with
+  the reduction, ``step()``), after the engine is built.
+
+Both count tensor memory from before the model is built (``MemoryCensus``: on
+CPU flatgrad's counting allocator, on CUDA the caching allocator's counters),
+so they include the model, the optimizer states, the activations, and the
+gradient path. Each configuration runs in fresh rank processes.
+
+Targets (issue 9), as ratios to stock in the same run, with ``bucket`` the
+largest ZeRO-1/2 sub-group (or ZeRO-3 bucket) and ``c`` the comm dtype's bytes:
+
+* ZeRO-1/2 between steps: flatgrad <= stock + 2 * bucket * c;
+* ZeRO-1/2 peak: flatgrad <= stock peak + 1 bucket (of fp32, the largest
+  gradient dtype here: 4 * bucket bytes);
+* ZeRO-3 peak: flatgrad <= stock peak + 1 bucket.
+
+The last table projects the gradient path's memory (what differs between
+stock and flatgrad; model states and activations are equal) to a 7B model at 8,
+64 and 1024 ranks, bf16, from the formulas in ``gradient_path_bytes``; the
+measured rows check those formulas on the small model. Example::
+
+    python bench/memory.py                              # everything, about 3 minutes here
+    python bench/memory.py --stages 2 --world-sizes 2 --dtypes bf16 --out memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+from flatgrad.bench._harness import machine_info, machine_line
+from flatgrad.bench.memory_census import MemoryCensus
+from flatgrad.demo.launch import run_ranks
+
+_MODES = ("stock", "flatgrad")
+
+
+def _config(stage: int, dtype: str, world_size: int, bucket: int, gas: int, flatgrad: bool) -> dict:
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket}
+    if stage in (1, 2):
+        zero["allgather_bucket_size"] = max(bucket, 10**7)
+    if stage == 3:
+        zero["stage3_prefetch_bucket_size"] = bucket
+        zero["stage3_param_persistence_threshold"] = 0
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": 8 * gas * world_size,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": zero,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if flatgrad:
+        cfg["flatgrad"] = {}
+    return cfg
+
+
+def _rank(rank: int, world_size: int, job: dict) -> dict:
+    """Build and train one configuration under a census; this rank's figures."""
+    from flatgrad.demo.train import init_deepspeed
+
+    init_deepspeed(rank, world_size, job["device"])
+    import deepspeed
+
+    import flatgrad.deepspeed as flatgrad_ds
+    from flatgrad.plan import models
+
+    dtype = torch.bfloat16 if job["dtype"] == "bf16" else torch.float32
+    generator = torch.Generator().manual_seed(rank)
+    width = job["width"]
+    batches = [
+        (torch.randn(8, width, generator=generator), torch.randn(8, width, generator=generator))
+        for _ in range(job["steps"] * job["gas"])
+    ]
+    gc.collect()
+    initialize = flatgrad_ds.initialize if job["mode"] == "flatgrad" else deepspeed.initialize
+    with MemoryCensus(job["device"]) as census:
+        torch.manual_seed(0)
+        model = models.build("mlp", "cpu", d_in=width, hidden=width, d_out=width, layers=job["layers"])
+        n_params = sum(p.numel() for p in model.parameters())
+        cfg = _config(job["stage"], job["dtype"], world_size, job["bucket"], job["gas"], job["mode"] == "flatgrad")
+        engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+        census.mark("built")
+        census.reset_peak()
+        for x, y in batches:
+            loss = engine(x.to(engine.device, dtype), y.to(engine.device, dtype))
+            engine.backward(loss)
+            engine.step()
+            del loss
+        census.mark("between steps")
+    out = {
+        "params": n_params,
+        "between": census.at("between steps"),
+        "built": census.at("built"),
+        "peak": census.peak,
+        "largest_bucket": _largest_bucket(engine, job),
+        "comm_bytes": 2 if job["dtype"] == "bf16" else 4,
+    }
+    reduction = getattr(engine.optimizer, "_flatgrad", None)
+    if reduction is not None:
+        out["comm_buffer_bytes"] = sum(r.comm_buffer_bytes for r in reduction.reducers)
+    engine.destroy()
+    return out
+
+
+def _largest_bucket(engine: Any, job: dict) -> int:
+    """The largest ZeRO-1/2 sub-group (flatgrad) or ``reduce_bucket_size``, in elements."""
+    reduction = getattr(engine.optimizer, "_flatgrad", None)
+    if reduction is not None:
+        return max(layout.numel for layout in reduction.layouts)
+    return job["bucket"]
+
+
+def gradient_path_bytes(
+    mode: str, stage: int, n_params: int, world_size: int, bucket: int, comm_bytes: int, comm_buffers: int = 2
+) -> dict[str, float]:
+    """The gradient path's bytes per rank, between steps and at the peak (a model of the code, bf16 params).
+
+    Stock ZeRO-1/2 keeps nothing between steps; during backward it holds its
+    IPG bucket and the bit16 gradient partition (2P/W), and at the step the
+    fp32 copy of one sub-group's partition (4P/W for one param group).
+    flatgrad ZeRO-1/2 keeps ``comm_buffers`` comm buffers, and during a
+    window the fp32 partitions (4P/W), which step() reads without a copy.
+    ZeRO-3 (both) holds the IPG bucket and the fp32 grad partitions (4P/W)
+    between steps; flatgrad's gradients wait for their bucket's pack, up to
+    one bucket more.
+    """
+    if stage in (1, 2):
+        if mode == "stock":
+            return {"between": 0.0, "peak": bucket * comm_bytes + 2 * n_params / world_size + 4 * n_params / world_size}
+        return {
+            "between": comm_buffers * bucket * comm_bytes,
+            "peak": comm_buffers * bucket * comm_bytes + 4 * n_params / world_size,
+        }
+    base = bucket * comm_bytes + 4 * n_params / world_size
+    return {"between": base, "peak": base + (bucket * comm_bytes if mode == "flatgrad" else 0.0)}
+
+
+def _run(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    n_params = args.layers * (args.width * args.width + args.width) + args.width
+    bucket = max(1, int(n_params * args.bucket_fraction))
+    for world_size in args.world_sizes:
+        for stage in args.stages:
+            for dtype in args.dtypes:
+                row: dict[str, Any] = {"stage": stage, "dtype": dtype, "world_size": world_size, "bucket": bucket}
+                for mode in _MODES:
+                    job = dict(
+                        stage=stage, dtype=dtype, mode=mode, device=args.device, width=args.width,
+                        layers=args.layers, bucket=bucket, steps=args.steps, gas=args.gas,
+                    )  # fmt: skip
+                    results = run_ranks(_rank, world_size, job, timeout=600)
+                    row[mode] = {
+                        key: max(r[key] for r in results) if isinstance(results[0][key], int) else results[0][key]
+                        for key in results[0]
+                    }
+                print(_line(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}x" if b else "-"
+
+
+def _line(row: dict) -> str:
+    s, f = row["stock"], row["flatgrad"]
+    p = s["params"]
+    return (
+        f"ZeRO-{row['stage']} {row['dtype']:4} W={row['world_size']}  "
+        f"between {s['between'] / p:6.2f} -> {f['between'] / p:6.2f} B/param ({_ratio(f['between'], s['between'])}), "
+        f"peak {s['peak'] / p:6.2f} -> {f['peak'] / p:6.2f} B/param ({_ratio(f['peak'], s['peak'])})"
+    )
+
+
+def _targets(row: dict) -> dict[str, Any]:
+    """The issue's targets for one row: the allowance in bytes, and whether flatgrad is within it."""
+    s, f = row["stock"], row["flatgrad"]
+    largest = max(f["largest_bucket"], s["largest_bucket"])
+    c = f["comm_bytes"]
+    out: dict[str, Any] = {}
+    if row["stage"] in (1, 2):
+        out["between_allowance"] = 2 * largest * c
+        out["between_ok"] = f["between"] <= s["between"] + out["between_allowance"]
+    out["peak_allowance"] = 4 * largest
+    out["peak_ok"] = f["peak"] <= s["peak"] + out["peak_allowance"]
+    return out
+
+
+def _table(rows: list[dict]) -> str:
+    head = (
+        f"{'setup':22} {'params':>8} {'bucket':>8}  {'between MB':>21} {'ratio':>7} {'excess/allowed':>14}  "
+        f"{'peak MB':>21} {'ratio':>7} {'excess/allowed':>14}"
+    )
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        s, f, t = row["stock"], row["flatgrad"], row["targets"]
+        name = f"ZeRO-{row['stage']} {row['dtype']} W={row['world_size']}"
+        between = f"{s['between'] / 1e6:9.2f} -> {f['between'] / 1e6:9.2f}"
+        peak = f"{s['peak'] / 1e6:9.2f} -> {f['peak'] / 1e6:9.2f}"
+        b_ex = (
+            f"{(f['between'] - s['between']) / t['between_allowance']:+.2f} {'ok' if t['between_ok'] else 'OVER'}"
+            if "between_allowance" in t
+            else "-"
+        )
+        p_ex = f"{(f['peak'] - s['peak']) / t['peak_allowance']:+.2f} {'ok' if t['peak_ok'] else 'OVER'}"
+        lines.append(
+            f"{name:22} {s['params'] / 1e6:7.2f}M {row['bucket'] / 1e6:7.3f}M  {between:>21} "
+            f"{_ratio(f['between'], s['between']):>7} {b_ex:>14}  {peak:>21} {_ratio(f['peak'], s['peak']):>7} {p_ex:>14}"
+        )
+    lines.append(
+        "excess/allowed: (flatgrad - stock) / the target's allowance (between: 2 buckets of comm dtype; "
+        "peak: 1 bucket of fp32); <= 1 meets the target"
+    )
+    return "\n".join(lines)
+
+
+def _projection(bucket: float = 5e8) -> tuple[str, list[dict]]:
+    """The gradient path of a 7B model (bf16, bucket 5e8) at 8, 64 and 1024 ranks, in GB per rank."""
+    p = 6.74e9
+    rows, lines = [], [f"7B projection (P = {p:.3g}, bf16, bucket {bucket:.0e}): gradient-path GB per rank, between / peak"]
+    lines.append(f"{'stage':8} {'W':>5}  {'stock':>15}  {'flatgrad':>15}  {'flatgrad - stock (peak)':>24}")
+    for stage in (2, 3):
+        for w in (8, 64, 1024):
+            s = gradient_path_bytes("stock", stage, int(p), w, int(bucket), 2)
+            f = gradient_path_bytes("flatgrad", stage, int(p), w, int(bucket), 2)
+            rows.append({"stage": stage, "world_size": w, "stock": s, "flatgrad": f})
+            lines.append(
+                f"ZeRO-{stage}   {w:>5}  {s['between'] / 1e9:6.2f} / {s['peak'] / 1e9:6.2f}  "
+                f"{f['between'] / 1e9:6.2f} / {f['peak'] / 1e9:6.2f}  {(f['peak'] - s['peak']) / 1e9:+24.2f}"
+            )
+    return "\n".join(lines), rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--bucket-fraction", type=float, default=0.25, help="reduce_bucket_size as a fraction of P")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps")
+    parser.add_argument("--gas", type=int, default=2, help="gradient accumulation steps")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.device == "cpu" else "cuda")
+    info = machine_info()
+    print(machine_line(info), flush=True)
+    rows = _run(args)
+    for row in rows:
+        row["targets"] = _targets(row)
+    print()
+    print(_table(rows))
+    text, projection = _projection()
+    print()
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": info, "rows": rows, "projection_7b": projection, "args": vars(args)}, f, indent=1)
+    return 0 if all(r["targets"].get("between_ok", True) and r["targets"]["peak_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

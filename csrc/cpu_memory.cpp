@@ -1,0 +1,101 @@
+// Counting CPU allocator: the bytes of tensor memory a process holds, now and at the peak.
+//
+// torch keeps allocator statistics for CUDA (torch.cuda.memory_allocated /
+// max_memory_allocated) but none for the CPU, and the profiler's memory events
+// miss every free made on another thread (gloo frees its reduce_scatter
+// scratch tensors on its worker threads). So flatgrad's memory figures on the
+// CPU come from this allocator: once installed it wraps torch's CPU allocator,
+// and every allocation and free, on any thread, updates two atomics.
+// Memory allocated before installation is freed through its original deleter
+// and never counted.
+//
+// Ops (no tensors, so they are registered for every dispatch key):
+//   flatgrad::cpu_memory_install() -> ()        idempotent
+//   flatgrad::cpu_memory_stats() -> int[]       [allocated, peak] in bytes
+//   flatgrad::cpu_memory_reset_peak() -> ()     peak := allocated
+
+#include <torch/library.h>
+
+#include <c10/core/CPUAllocator.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+namespace flatgrad {
+namespace {
+
+std::atomic<int64_t> g_allocated{0};
+std::atomic<int64_t> g_peak{0};
+
+void note_peak(int64_t now) {
+  int64_t peak = g_peak.load(std::memory_order_relaxed);
+  while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
+// What a counted DataPtr owns: the inner allocator's DataPtr and the size to give back.
+struct Counted {
+  c10::DataPtr inner;
+  int64_t nbytes;
+};
+
+void free_counted(void* context) {
+  auto* counted = static_cast<Counted*>(context);
+  g_allocated.fetch_sub(counted->nbytes, std::memory_order_relaxed);
+  delete counted;  // frees through the inner DataPtr's own deleter
+}
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::DataPtr inner = inner_->allocate(nbytes);
+    void* data = inner.get();
+    c10::Device device = inner.device();
+    auto* counted = new Counted{std::move(inner), static_cast<int64_t>(nbytes)};
+    note_peak(g_allocated.fetch_add(counted->nbytes, std::memory_order_relaxed) + counted->nbytes);
+    return {data, counted, &free_counted, device};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return nullptr;  // every DataPtr carries its own context
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+ private:
+  c10::Allocator* inner_;
+};
+
+std::once_flag g_installed;
+
+void install() {
+  std::call_once(g_installed, [] {
+    static CountingAllocator allocator(c10::GetCPUAllocator());
+    // Above the default priority (0), so that it stays in force.
+    c10::SetCPUAllocator(&allocator, /*priority=*/1);
+  });
+}
+
+std::vector<int64_t> stats() {
+  return {g_allocated.load(std::memory_order_relaxed), g_peak.load(std::memory_order_relaxed)};
+}
+
+void reset_peak() {
+  g_peak.store(g_allocated.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
+}  // namespace
+}  // namespace flatgrad
+
+TORCH_LIBRARY_FRAGMENT(flatgrad, m) {
+  m.def("cpu_memory_install() -> ()", &flatgrad::install);
+  m.def("cpu_memory_stats() -> int[]", &flatgrad::stats);
+  m.def("cpu_memory_reset_peak() -> ()", &flatgrad::reset_peak);
+}

@@ -1,0 +1,111 @@
+"""Bytes of tensor memory one process holds over a region: at named marks, and at the peak.
+
+* CUDA: the caching allocator's own counters (``torch.cuda.memory_allocated``
+  and ``max_memory_allocated``).
+* CPU: torch keeps no allocator statistics for the CPU, and the profiler's
+  memory events miss every free made on another thread (gloo frees its
+  reduce_scatter scratch tensors on its worker threads), so the census installs
+  flatgrad's counting CPU allocator (``csrc/cpu_memory.cpp``): it wraps torch's
+  and counts every allocation and free, on any thread, in two atomics. It
+  costs an atomic add per allocation, so timings taken under it stay honest.
+
+Figures are relative to the moment the census starts: start it before the
+model is built to count everything a training setup holds. Only tensor
+storages are counted; gloo's own non-tensor buffers are not, for stock and
+flatgrad alike. gloo's ``reduce_scatter`` does clone tensors (the other ranks'
+chunks for the list form, the whole input for the tensor form; NCCL's
+allocates nothing), and those are counted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["MemoryCensus", "cpu_memory_available"]
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_memory_available() -> str:
+    """An empty string if the counting CPU allocator can be installed, else why not."""
+    from ..kernels import compiled
+
+    missing = compiled._load()
+    if missing:
+        return missing
+    if not hasattr(torch.ops.flatgrad, "cpu_memory_stats"):
+        return "flatgrad._C predates the counting CPU allocator; reinstall flatgrad"
+    return ""
+
+
+def _cpu_stats() -> tuple[int, int]:
+    allocated, peak = torch.ops.flatgrad.cpu_memory_stats()
+    return int(allocated), int(peak)
+
+
+class MemoryCensus:
+    """Tensor bytes live on ``device`` over a ``with`` block, at every ``mark`` and at the peak.
+
+    Usage::
+
+        with MemoryCensus("cpu") as census:
+            model = build()                 # counted from here on
+            census.mark("built")
+            census.reset_peak()             # the peak of what follows only
+            train_step()
+            census.mark("between steps")
+        census.at("between steps"), census.peak    # bytes, relative to the start
+
+    Attributes:
+        device: ``cpu`` or ``cuda``.
+        marks: ``(name, bytes)`` in the order the marks were made.
+        peak: the most bytes live at once since the start or the last ``reset_peak`` (valid after the block).
+    """
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device).type
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        if self.device == "cpu":
+            why = cpu_memory_available()
+            if why:
+                raise RuntimeError(f"MemoryCensus on the CPU needs flatgrad's counting allocator: {why}")
+        self.marks: list[tuple[str, int]] = []
+        self.peak = 0
+        self._base = 0
+
+    def _now(self) -> tuple[int, int]:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        return _cpu_stats()
+
+    def reset_peak(self) -> None:
+        """Start the peak afresh from what is live now."""
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            torch.ops.flatgrad.cpu_memory_reset_peak()
+
+    def __enter__(self) -> "MemoryCensus":
+        if self.device == "cpu":
+            torch.ops.flatgrad.cpu_memory_install()
+        self.reset_peak()
+        self._base = self._now()[0]
+        return self
+
+    def mark(self, name: str) -> None:
+        """Note what is live now under ``name`` (names may repeat)."""
+        self.marks.append((name, self._now()[0] - self._base))
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak = self._now()[1] - self._base
+
+    def at(self, name: str, which: int = -1) -> int:
+        """Bytes live at the mark ``name`` (its last occurrence by default)."""
+        hits = [v for n, v in self.marks if n == name]
+        if not hits:
+            raise KeyError(f"no mark {name!r}; marks: {sorted({n for n, _ in self.marks})}")
+        return hits[which]
