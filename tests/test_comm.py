@@ -137,3 +137,27 @@ def test_averaging_rejects_bad_world_size():
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="world_size"):
             comm.averaging(bad, torch.float32)
+
+
+def _in_place_rank(rank: int, world_size: int) -> list:
+    """Every method and dtype: the reduce_scatter whose output is this rank's chunk of its input, vs out of place."""
+    failures = []
+    for method in ("list", "tensor"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            # Random values of a real bucket's size: the sum order matters, so the bits must match.
+            buffer = torch.randn(world_size * 4099, generator=torch.Generator().manual_seed(rank)).to(dtype)
+            separate = torch.empty(buffer.numel() // world_size, dtype=dtype)
+            comm.reduce_scatter(separate, buffer.clone(), method=method)
+            chunks = list(buffer.chunk(world_size))
+            comm.reduce_scatter(chunks[rank], buffer, method=method, input_chunks=chunks, async_op=True).wait()
+            if not torch.equal(chunks[rank], separate):
+                failures.append((method, str(dtype)))
+    return failures
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_in_place_reduce_scatter_gives_the_bits_of_out_of_place(world_size):
+    """The reducer's comm buffers reduce in place (see [Note: comm buffer pool]); gloo must give the same bits."""
+    for rank, failures in enumerate(run_ranks(_in_place_rank, world_size, timeout=80)):
+        assert not failures, f"rank {rank}: {failures}"

@@ -692,6 +692,8 @@ def _cfg_with(stage: int = 2, **changes) -> dict:
         (_cfg_with(1, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), "data_types.grad_accum_dtype"),
         (_cfg_with(0), "zero_optimization.stage"),
         (_cfg_with(flatgrad={"bucket_numell": 10}), "bucket_numell"),
+        (_cfg_with(flatgrad={"comm_buffers": 0}), "flatgrad.comm_buffers"),
+        (_cfg_with(flatgrad={"comm_buffers": 1.5}), "flatgrad.comm_buffers"),
     ],
     ids=[
         "offload",
@@ -705,6 +707,8 @@ def _cfg_with(stage: int = 2, **changes) -> dict:
         "bf16-zero1",
         "stage0",
         "typo",
+        "comm_buffers-0",
+        "comm_buffers-float",
     ],
 )
 def test_unsupported_configs_are_refused_at_initialize_naming_the_key(cfg, key):
