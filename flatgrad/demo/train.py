@@ -28,7 +28,7 @@ from .launch import send_message
 from .measure import CollectiveRecorder
 from .setups import DENSE, SEED_MODEL, Setup, build_model, ds_config, make_batches
 
-__all__ = ["Options", "rank_main"]
+__all__ = ["Options", "init_deepspeed", "rank_main"]
 
 _WIDTH = 1000  # the seed model's hidden size, and the dense model's
 
@@ -72,7 +72,7 @@ def _redirect_output(log_dir: str | None, rank: int) -> None:
     os.close(fd)
 
 
-def _init_deepspeed(rank: int, world_size: int, device: str) -> None:
+def init_deepspeed(rank: int, world_size: int, device: str) -> None:
     """DeepSpeed over the group the launcher made: accelerator, no JIT shm op, quiet logs."""
     # One node: the launcher gave rank r GPU r % device_count. DeepSpeed reads these; it finds the
     # process group already made, so MASTER_PORT is never used to connect.
@@ -166,7 +166,7 @@ def _describe(setup: Setup, engine: Any, model_name: str) -> dict:
 def rank_main(rank: int, world_size: int, options: Options) -> dict:
     """Train every setup of ``options`` on this rank; the measurements, by setup key."""
     _redirect_output(options.log_dir, rank)
-    _init_deepspeed(rank, world_size, options.device)
+    init_deepspeed(rank, world_size, options.device)
     dtype = DTYPE_NAMES[options.dtype]
     progress = send_message if rank == 0 else (lambda payload: None)
     batches = make_batches(rank, options.steps, options.micro_batch, _WIDTH, options.seed)
