@@ -54,7 +54,10 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-__all__ = ["Context", "Step", "plan", "check_step", "dry_run", "run_step", "run_all", "summary_text", "main"]
+__all__ = [
+    "Context", "Step", "plan", "check_step", "dry_run", "run_step", "run_all", "bench_figures", "zero_figures",
+    "summary_text", "main",
+]  # fmt: skip
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -84,7 +87,8 @@ for name in ("triton", "deepspeed"):
         info[name] = "unavailable: %s: %s" % (type(exc).__name__, exc)
 nvcc = shutil.which("nvcc")
 if nvcc:
-    info["nvcc"] = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    info["nvcc"] = next((line for line in version.splitlines() if "release" in line), version.strip())
 smi = shutil.which("nvidia-smi")
 if smi:
     query = [smi, "--query-gpu=driver_version,clocks.sm,clocks.mem,temperature.gpu", "--format=csv,noheader"]
@@ -389,13 +393,17 @@ def _pytest_figures(output: str) -> dict[str, Any]:
     return {"counts": counts, "skipped": skips[:20], "failures": failures[:20]}
 
 
-def _bench_figures(path: str) -> dict[str, Any]:
-    """Per case and backend: GB/s and the ratios to the roofline (d), ``_chunk_cat`` (c) and DeepSpeed (a)."""
+def bench_figures(path: str, device: str = "cuda") -> dict[str, Any]:
+    """Per case and backend: GB/s and the ratios to the roofline (d), ``_chunk_cat`` (c) and DeepSpeed (a).
+
+    Read from ``flatgrad bench --out`` JSON, transformer bucket, chunked layout, median times; ``x_deepspeed``
+    is taken from the row doing DeepSpeed's work (the 1/W pre-divide) where there is one.
+    """
     with open(path) as f:
         doc = json.load(f)
     cases: dict[str, Any] = {}
     for row in doc["results"]:
-        if row["device"] != "cuda" or row["bucket"] != "transformer":
+        if row["device"] != device or row["bucket"] != "transformer":
             continue
         case = cases.setdefault(row["case"], {"backends": {}})
         if row["role"] in ("a", "c", "d"):
@@ -411,10 +419,11 @@ def _bench_figures(path: str) -> dict[str, Any]:
             entry.setdefault("x_deepspeed", row["x_ds_median"])
         if row["scale"] != 1.0:  # the 1/W pre-divide: the same work as DeepSpeed's cat + div
             entry["x_deepspeed"] = row["x_ds_median"]
-    return {"machine": doc["machine"].get("gpu"), "bucket": doc["buckets"].get("transformer"), "cases": cases}
+    return {"gpu": doc["machine"].get("gpu"), "bucket": doc["buckets"].get("transformer"), "cases": cases}
 
 
-def _zero_figures(path: str) -> dict[str, Any]:
+def zero_figures(path: str) -> dict[str, Any]:
+    """The pairs' verdicts and each setup's losses and memory, from ``bench/gpu_zero_step.py --out`` JSON."""
     with open(path) as f:
         doc = json.load(f)
     setups = {
@@ -433,9 +442,9 @@ def _figures(step: Step, record: dict, ctx: Context) -> dict[str, Any]:
         if step.kind == "pytest":
             return _pytest_figures(output)
         if step.kind == "bench":
-            return _bench_figures(os.path.join(ctx.out, "bench.json"))
+            return bench_figures(os.path.join(ctx.out, "bench.json"))
         if step.kind == "zero-step":
-            return _zero_figures(os.path.join(ctx.out, "zero_step.json"))
+            return zero_figures(os.path.join(ctx.out, "zero_step.json"))
     except (OSError, KeyError, ValueError, TypeError) as exc:
         return {"unreadable": f"{type(exc).__name__}: {exc}"}
     return {}
@@ -451,7 +460,7 @@ def _before(step: Step, ctx: Context) -> dict[str, Any] | None:
         if built:
             _install_extension(built[0], ctx)
             return {"name": step.name, "status": "passed", "cached": True, "wall_s": 0.0,
-                    "so": built[0], "arch_list": ctx.arch_list}  # fmt: skip
+                    "so": built[0], "arch_list": dict(step.env)["TORCH_CUDA_ARCH_LIST"]}  # fmt: skip
     return None
 
 
@@ -477,7 +486,7 @@ def _after(step: Step, record: dict, ctx: Context) -> None:
         built = glob.glob(os.path.join(_build_lib(step), "flatgrad", "_C*.so"))
         if built:
             _install_extension(built[0], ctx)
-            record.update(so=built[0], arch_list=ctx.arch_list, cached=False)
+            record.update(so=built[0], arch_list=dict(step.env)["TORCH_CUDA_ARCH_LIST"], cached=False)
         else:
             record.update(status="failed", reason="the build left no flatgrad/_C*.so")
 
@@ -496,10 +505,14 @@ def _step_line(r: dict) -> str:
         note = f"{'cached' if r.get('cached') else 'compiled'}, TORCH_CUDA_ARCH_LIST={r.get('arch_list')}"
     elif "counts" in figures:
         note = ", ".join(f"{n} {what}" for what, n in figures["counts"].items()) or "no pytest summary line"
+    elif figures.get("pairs"):
+        note = ", ".join(f"{p['pair']} losses {'match' if p['losses_match'] else 'DIFFER'}" for p in figures["pairs"])
     elif r["name"] == "env" and figures:
         gpus = figures.get("gpus") or []
         note = (f"{len(gpus)} x {gpus[0]['name'] if gpus else '-'}, torch {figures.get('torch')}, "
                 f"deepspeed {figures.get('deepspeed')}")  # fmt: skip
+    if not note and r["status"] in ("failed", "timeout"):
+        note = next((line.strip() for line in reversed(r.get("tail", "").splitlines()) if line.strip()), "")[:160]
     wall = f"{r['wall_s']:7.1f} s" if "wall_s" in r else " " * 9
     return f"  {r['name']:<13} {r['status']:<8} {wall}  {note}"
 
@@ -522,10 +535,12 @@ def summary_text(doc: dict) -> str:
                              f"x(c) {_fmt_ratio(b.get('x_chunk_cat'))}  x(a) {_fmt_ratio(b.get('x_deepspeed'))}")
     zero = (steps.get("zero-step") or {}).get("figures") or {}
     if zero.get("setups"):
-        lines += ["", f"ZeRO steps on {zero['world_size']} x {zero['gpu']}: peak torch.cuda.max_memory_allocated"]
+        lines += ["", f"ZeRO steps on {zero['world_size']} x {zero['gpu'] or 'CPU'}: peak torch.cuda.max_memory_allocated"]
         for key, s in zero["setups"].items():
             if s["ok"]:
-                lines.append(f"  {key:<15} {s['model']:<9} peak {s['max_memory_allocated'] / 2**20:9.1f} MiB  "
+                peak = s["max_memory_allocated"]
+                peak_text = f"{peak / 2**20:9.1f} MiB" if peak is not None else "        - MiB"
+                lines.append(f"  {key:<15} {s['model']:<9} peak {peak_text}  "
                              f"losses rank 0: {' '.join(f'{x:.6g}' for x in s['losses'][0])}")  # fmt: skip
             else:
                 lines.append(f"  {key:<15} FAILED: {(s.get('error') or '').splitlines()[0][:300]}")

@@ -165,3 +165,25 @@ def test_pytest_step_counts_and_an_all_skipped_run_is_a_failure(tmp_path: pathli
     assert any("needs a CUDA GPU" in line for line in mixed["figures"]["skipped"])
     assert any("test_bad" in line for line in mixed["figures"]["failures"])
     assert skipped["status"] == "failed" and "no test passed" in skipped["reason"]
+
+
+@pytest.mark.timeout(180)
+def test_bench_figures_and_summary_from_a_real_bench_run(tmp_path: pathlib.Path) -> None:
+    """The figures the summary shows, read from a real ``flatgrad bench`` run on CPU (the GPU run has the same JSON)."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "flatgrad", "bench", "--quick", "--device", "cpu", "--buckets", "transformer",
+                    "--backends", "torch", "--out", str(out)], check=True, capture_output=True, cwd=ROOT,
+                   timeout=170)  # fmt: skip
+    figures = gpu_check.bench_figures(str(out), device="cpu")
+    assert set(figures["cases"]) == {"pack bf16->bf16", "pack fp32->bf16", "unpack bf16->fp32 +="}
+    pack = figures["cases"]["pack bf16->bf16"]
+    assert pack["roofline_gbps"] > 0 and pack["chunk_cat_gbps"] > 0 and pack["deepspeed_zero3_gbps"] > 0
+    torch_row = pack["backends"]["torch"]
+    assert torch_row["gbps"] > 0 and torch_row["x_roofline"] > 0 and torch_row["x_chunk_cat"] > 0
+    assert torch_row["x_deepspeed"] > 0
+    unpack = figures["cases"]["unpack bf16->fp32 +="]["backends"]["torch"]
+    assert unpack["x_chunk_cat"] is None and unpack["x_roofline"] > 0
+    doc = {"started": "now", "quick": True, "budget_s": 240, "wall_s": 1.0, "ok": True,
+           "steps": [{"name": "bench", "status": "passed", "wall_s": 1.0, "figures": figures}]}  # fmt: skip
+    text = gpu_check.summary_text(doc)
+    assert "pack fp32->bf16: (d)" in text and "x(c)" in text and "ALL PASSED" in text
