@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Validate flatgrad on a GPU node in one command, within 8 minutes on one H200 (--quick: 4).
+# Validate flatgrad on a GPU node in one command, budgeted at 8 minutes on one H200 (--quick: 4).
 #
 #   bench/gpu_check.sh [--quick] [--out DIR] [--build-dir DIR] [--only STEPS] [--skip STEPS]
 #   bench/gpu_check.sh --dry-run      # any machine, no GPU: checks that every step can run; CI runs it
 #   bench/gpu_check.sh --fetch-wheels # here, with network: put DeepSpeed and its missing deps in .whl/
 #
 # Steps (bench/gpu_check.py says more): wheels, env, build (C++ and CUDA for the visible GPUs' archs,
-# cached by content in --build-dir), backends, test-cuda, test-kernels, test-triton, test-reducer
-# (the reducer's stream hand-off over NCCL, 1 rank; 2 with 2 GPUs), bench (flatgrad bench --device
-# cuda), zero-step (ZeRO-2/3 stock against flatgrad on every GPU: losses, peak memory). Each has its
+# cached by content in --build-dir), backends, test-cuda, test-reducer (the reducer's stream hand-off
+# over NCCL, 1 rank; 2 with 2 GPUs), bench (flatgrad bench --device cuda), zero-step (ZeRO-2/3 stock
+# against flatgrad on every GPU: losses, peak memory), test-kernels, test-triton. Each has its
 # own timeout inside one overall budget; a failure is recorded and the next step runs. Results go to
 # --out (default $OUT, else ./gpu-check-out): summary.txt, summary.json, gpu_check.log, bench.json,
 # zero_step.json. Exit status 0 only when every step passed.

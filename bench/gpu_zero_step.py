@@ -146,8 +146,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     for pair, stock_key, flatgrad_key in _PAIRS:
         model = _model_for(pair, world_size)
-        options = {"device": args.device, "steps": args.steps, "dtype": args.dtype, "micro_batch": args.micro_batch, "bucket": args.bucket,
-                   "lr": args.lr, "seed": args.seed, "model": list(model)}  # fmt: skip
+        options = {"device": args.device, "steps": args.steps, "dtype": args.dtype, "micro_batch": args.micro_batch,
+                   "bucket": args.bucket, "lr": args.lr, "seed": args.seed, "model": list(model)}  # fmt: skip
         for key in (stock_key, flatgrad_key):
             print(f"gpu_zero_step: {key} on {world_size} {args.device} rank(s), model {model[0]} {model[1] or ''}",
                   flush=True)
@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (importable without DeepSpeed or a GPU)."""
     parser = argparse.ArgumentParser(prog="gpu_zero_step", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cuda: one NCCL rank per visible GPU (default); cpu: --world-size gloo ranks, no memory figures")
+                        help="cuda: one NCCL rank per visible GPU (default); "
+                             "cpu: --world-size gloo ranks, no memory figures")
     parser.add_argument("--world-size", type=int, default=1, help="ranks with --device cpu (default 1)")
     parser.add_argument("--steps", type=int, default=2, help="training steps per setup, >= 2 (default 2)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="training dtype (default bf16)")

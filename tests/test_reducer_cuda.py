@@ -129,7 +129,11 @@ def _compare(label: str, got: list[torch.Tensor], expected: list[torch.Tensor]) 
 
 def _handoff_rank(rank: int, world_size: int, backend: str) -> list[str]:
     """Every comm dtype through ``_handoff``; the mismatches found, as text."""
-    return [f"comm {name}: {e}" for name, dtype in _COMM_DTYPES.items() for e in _handoff(rank, world_size, backend, dtype)]
+    return [
+        f"comm {name}: {error}"
+        for name, dtype in _COMM_DTYPES.items()
+        for error in _handoff(rank, world_size, backend, dtype)
+    ]
 
 
 def _handoff(rank: int, world_size: int, backend: str, comm_dtype: torch.dtype) -> list[str]:
