@@ -44,6 +44,7 @@ checkout.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import glob
@@ -312,16 +313,17 @@ def check_step(step: Step, ctx: Context) -> list[str]:
 
 
 def dry_run(steps: Sequence[Step], ctx: Context) -> int:
-    """Check and print every step; 0 when all are sound, 1 otherwise."""
+    """Check every step (in parallel: each check is a subprocess) and print them in order; 0 when all are sound."""
     failed = 0
-    print(f"gpu_check dry run of {ctx.root}")
-    for step in steps:
+    print(f"gpu_check dry run of {ctx.root}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        found = list(pool.map(lambda step: check_step(step, ctx), steps))
+    for step, problems in zip(steps, found):
         env = " ".join(f"{k}={v}" for k, v in step.env)
         if step.kind == "python":
             command = f"{step.argv[0]} -c <{step.name} snippet>"
         else:
             command = " ".join(_shell_word(a) for a in step.argv)
-        problems = check_step(step, ctx)
         failed += bool(problems)
         verdict = "FAIL" if problems else "ok"
         print(f"[{verdict}] {step.name} (timeout {step.timeout_s:g} s): {env + ' ' if env else ''}{command}")
@@ -348,18 +350,23 @@ def run_step(step: Step, ctx: Context, log_path: str, deadline: float) -> dict[s
     env = ctx.env()
     env.update(step.env)
     with open(log_path, "ab") as log:
-        log.write(f"\n===== {step.name} ({datetime.datetime.now():%H:%M:%S}, timeout {timeout:.0f} s)\n".encode())
-        log.flush()
         start_offset = log.tell()
         started = time.monotonic()
-        proc = subprocess.Popen(step.argv, cwd=ctx.root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        proc = None
         try:
+            log.write(f"\n===== {step.name} ({datetime.datetime.now():%H:%M:%S}, timeout {timeout:.0f} s)\n".encode())
+            log.flush()
+            proc = subprocess.Popen(step.argv, cwd=ctx.root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
             rc = proc.wait(timeout=timeout)
             status = "passed" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             rc, status = proc.returncode, "timeout"
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see main): stop the step, keep what it wrote
+            if proc is not None:
+                _kill_group(proc)
+            rc, status = (proc.returncode if proc is not None else None), "interrupted"
         wall = time.monotonic() - started
     with open(log_path, "rb") as log:
         log.seek(start_offset)
@@ -521,7 +528,7 @@ def _step_line(r: dict) -> str:
         gpus = figures.get("gpus") or []
         note = (f"{len(gpus)} x {gpus[0]['name'] if gpus else '-'}, torch {figures.get('torch')}, "
                 f"deepspeed {figures.get('deepspeed')}")  # fmt: skip
-    if not note and r["status"] in ("failed", "timeout"):
+    if not note and r["status"] in ("failed", "timeout", "interrupted"):
         note = next((line.strip() for line in reversed(r.get("tail", "").splitlines()) if line.strip()), "")[:160]
     wall = f"{r['wall_s']:7.1f} s" if "wall_s" in r else " " * 9
     return f"  {r['name']:<13} {r['status']:<8} {wall}  {note}"
@@ -563,7 +570,7 @@ def summary_text(doc: dict) -> str:
                              f"(max rel diff {p['max_rel_loss_diff']:.2e}), peak memory flatgrad/stock "
                              f"{_fmt_ratio(p['memory_ratio'])}")  # fmt: skip
     for r in doc["steps"]:
-        if r["status"] in ("failed", "timeout"):
+        if r["status"] in ("failed", "timeout", "interrupted"):
             lines += ["", f"--- {r['name']} {r['status']} (exit {r.get('rc')}); "
                       f"{r.get('reason') or 'last lines of its output'}:"]
             failures = (r.get("figures") or {}).get("failures") or []
@@ -594,10 +601,13 @@ def run_all(ctx: Context, budget_s: float, select: Callable[[str], bool],
     doc: dict[str, Any] = {"started": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC",
                            "root": ctx.root, "quick": ctx.quick, "budget_s": budget_s, "steps": [], "ok": False,
                            "wall_s": 0.0}  # fmt: skip
+    interrupted = False
     for name in [s.name for s in make_plan(ctx)]:
         step = next(s for s in make_plan(ctx) if s.name == name)
         if not select(name):
             record: dict[str, Any] = {"name": name, "status": "skipped", "reason": "not selected"}
+        elif interrupted:
+            record = {"name": name, "status": "not run", "reason": "gpu_check was interrupted"}
         else:
             print(f"[{time.monotonic() - started:5.0f} s] {name} ...", flush=True)
             record = _before(step, ctx) or run_step(step, ctx, log_path, deadline)
@@ -605,8 +615,9 @@ def run_all(ctx: Context, budget_s: float, select: Callable[[str], bool],
                 record["figures"] = _figures(step, record, ctx)
             _after(step, record, ctx)
             output = record.pop("output", "")
-            if record["status"] in ("failed", "timeout"):
+            if record["status"] in ("failed", "timeout", "interrupted"):
                 record["tail"] = _tail(output, 30)
+            interrupted = record["status"] == "interrupted"
             counts = (record.get("figures") or {}).get("counts")
             if record["status"] in ("passed", "failed") and step.kind == "pytest" and not (counts or {}).get("passed"):
                 record.update(status="failed", reason="no test passed (all skipped?)", tail=_tail(output, 30))
@@ -635,6 +646,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run (or with ``--dry-run`` check) the steps; 0 when every step passed, 1 otherwise, 2 on bad options."""
     args = build_parser().parse_args(argv)
@@ -659,6 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return dry_run([s for s in steps if select(s.name)], ctx)
     budget = args.budget if args.budget is not None else (240.0 if args.quick else 480.0)
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed check still writes its summary
     doc = run_all(ctx, budget, select)
     print()
     print(summary_text(doc))

@@ -187,3 +187,21 @@ def test_bench_figures_and_summary_from_a_real_bench_run(tmp_path: pathlib.Path)
            "steps": [{"name": "bench", "status": "passed", "wall_s": 1.0, "figures": figures}]}  # fmt: skip
     text = gpu_check.summary_text(doc)
     assert "pack fp32->bf16: (d)" in text and "x(c)" in text and "ALL PASSED" in text
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_running_step_and_still_writes_the_summary(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--only", "env,backends",
+                             "--out", str(out), "--build-dir", str(tmp_path / "build")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (out / "gpu_check.log").exists() or "===== env" not in (out / "gpu_check.log").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "the env step never started"
+        time.sleep(0.05)
+    proc.terminate()
+    assert proc.wait(timeout=60) == 1
+    steps = {r["name"]: r for r in json.loads((out / "summary.json").read_text())["steps"]}
+    assert steps["env"]["status"] == "interrupted"
+    assert steps["backends"]["status"] == "not run" and "interrupted" in steps["backends"]["reason"]
+    assert "--- env interrupted" in (out / "summary.txt").read_text()
