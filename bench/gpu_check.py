@@ -351,6 +351,9 @@ def run_step(step: Step, ctx: Context, log_path: str, deadline: float) -> dict[s
         return {**record, "status": "not run", "reason": "the overall budget is spent"}
     env = ctx.env()
     env.update(step.env)
+    for i, arg in enumerate(step.argv[:-1]):
+        if arg == "--out" and os.path.exists(step.argv[i + 1]):
+            os.remove(step.argv[i + 1])  # an earlier run's JSON must not pass for this one's
     with open(log_path, "ab") as log:
         start_offset = log.tell()
         started = time.monotonic()
