@@ -230,8 +230,8 @@ def plan(ctx: Context) -> list[Step]:
              files=("bench/gpu_zero_step.py",), args=zero_args),  # fmt: skip
         # Last: hypothesis over many layouts, each new Triton specialization compiled on first use,
         # is the least predictable in time; here it cannot starve the steps above of the budget.
-        _pytest(ctx, "test-kernels", 150 * q, 60, ("tests/test_kernels.py", "-k", "not cpu"), env=examples),
-        _pytest(ctx, "test-triton", 120 * q, 60, ("tests/test_triton.py",)),
+        _pytest(ctx, "test-kernels", 150 * q, 120, ("tests/test_kernels.py", "-k", "not cpu"), env=examples),
+        _pytest(ctx, "test-triton", 120 * q, 120, ("tests/test_triton.py",)),
     ]
 
 
