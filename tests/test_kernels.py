@@ -12,6 +12,7 @@ GPU the Triton backend runs on CPU tensors under Triton's interpreter
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -54,7 +55,8 @@ def _backend_param(name: str):
 BACKEND_PARAMS = [_backend_param(name) for name in CANDIDATES]
 # Largest buffer per generated case, and examples per hypothesis test.
 MAX_NUMEL = {"interpreted": 100_000, "compiled": 400_000}
-EXAMPLES = {"interpreted": 10, "compiled": 100}
+# FLATGRAD_TEST_EXAMPLES overrides the compiled backends' count (bench/gpu_check.py --quick lowers it).
+EXAMPLES = {"interpreted": 10, "compiled": int(os.environ.get("FLATGRAD_TEST_EXAMPLES", "100"))}
 
 
 def _budget(name: str) -> str:

@@ -54,7 +54,9 @@ unpadded tensors and writes the whole padded buffer; an accumulate-unpack reads
 the shard's real pieces and reads and writes the fp32 output. The roofline
 counts its own bytes the same way. ``x(d)`` and ``x(a)`` are GB/s ratios to
 (d) and (a) of the same bucket, case and device, from median times; ``x(d)*``
-and ``x(a)*`` the same from min times.
+and ``x(a)*`` the same from min times. The JSON rows also carry
+``x_chunk_cat_median`` / ``_min``, the ratio to (c) (``None`` for unpack,
+which has no (c) row).
 
 [Note: bench timing]
 Every row of a (bucket, case, device) group is prepared first and checked
@@ -581,9 +583,9 @@ def _run_group(
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    base = {row["role"]: row for row in rows if row["role"] in ("a", "d")}
+    base = {row["role"]: row for row in rows if row["role"] in ("a", "c", "d")}
     for row in rows:
-        for tag, role in (("roofline", "d"), ("ds", "a")):
+        for tag, role in (("roofline", "d"), ("ds", "a"), ("chunk_cat", "c")):
             ref = base.get(role)
             for stat in ("median", "min"):
                 key = f"x_{tag}_{stat}"
