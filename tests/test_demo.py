@@ -106,7 +106,8 @@ def test_summary_compares_each_row_with_its_reference():
             for loss in losses
         ]
         info = {"model": "seed-moe", "n_params": 10}
-        setups = {k: {"info": info, "steps": steps(v)} for k, v in losses_by_setup.items()}
+        memory = {"peak_bytes": 2e6, "held_bytes": 1e6}
+        setups = {k: {"info": info, "steps": steps(v), "memory": memory} for k, v in losses_by_setup.items()}
         return {"setups": setups, "zero3_refusal": None}
 
     per_rank = [
@@ -116,6 +117,7 @@ def test_summary_compares_each_row_with_its_reference():
     rows = {r["key"]: r for r in report.summarize(setups, per_rank)["rows"]}
     assert rows["flatgrad_zero2"]["max_loss_diff"] == 0.25 and rows["stock_zero2"]["max_loss_diff"] == 0.0
     assert rows["flatgrad_zero2"]["sent_mb_per_rank"] == pytest.approx(8 * 4 * (1 / 2) / 1e6)  # (W-1)/W of 32 bytes
+    assert rows["flatgrad_zero2"]["peak_mb_per_rank"] == 2.0 and rows["flatgrad_zero2"]["peak_x_reference"] == 1.0
     per_rank[1] = measurements({"stock_zero2": [2.0, 1.0], "flatgrad_zero2": [2.0, 1.0]}, reductions=2)
     with pytest.raises(RuntimeError, match="reductions per backward differs"):
         report.summarize(setups, per_rank)

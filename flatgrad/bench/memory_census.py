@@ -75,7 +75,12 @@ class MemoryCensus:
         self.peak = 0
         self._base = 0
 
-    def _now(self) -> tuple[int, int]:
+    def now(self) -> tuple[int, int]:
+        """``(live, peak)`` bytes now, relative to the start of the census."""
+        live, peak = self._raw()
+        return live - self._base, peak - self._base
+
+    def _raw(self) -> tuple[int, int]:
         if self.device == "cuda":
             torch.cuda.synchronize()
             return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
@@ -93,15 +98,15 @@ class MemoryCensus:
         if self.device == "cpu":
             torch.ops.flatgrad.cpu_memory_install()
         self.reset_peak()
-        self._base = self._now()[0]
+        self._base = self._raw()[0]
         return self
 
     def mark(self, name: str) -> None:
         """Note what is live now under ``name`` (names may repeat)."""
-        self.marks.append((name, self._now()[0] - self._base))
+        self.marks.append((name, self.now()[0]))
 
     def __exit__(self, *exc: object) -> None:
-        self.peak = self._now()[1] - self._base
+        self.peak = self.now()[1]
 
     def at(self, name: str, which: int = -1) -> int:
         """Bytes live at the mark ``name`` (its last occurrence by default)."""

@@ -16,6 +16,10 @@
   allocates buffers and builds flatgrad's plans) when there is more than one.
   ``backward_ms`` is ``engine.backward``: autograd, DeepSpeed's hooks, the
   reduction and its epilogue; ``step_ms`` is forward + backward + optimizer step.
+* ``peak_mb_per_rank``: the most tensor memory (MB, 1e6 bytes) a rank's setup
+  held at once, built alone and trained two steps (see [Note: demo memory] in
+  ``train.py``); the most of any rank. ``held_mb_per_rank``: what it held
+  after those two steps.
 * ``max_loss_diff``: the largest ``|loss - reference loss|`` over ranks and
   steps, the reference being the stock row of the same stage.
 """
@@ -76,6 +80,8 @@ def _setup_summary(setup: Setup, per_rank: list[Mapping[str, Any]]) -> dict[str,
         "reductions_multi_rank": _same(multi_rank, "multi-rank reductions per backward", setup),
         "step_collectives": max(step_calls),
         "sent_mb_per_rank": statistics.fmean(sent) / 1e6,
+        "peak_mb_per_rank": max(e["memory"]["peak_bytes"] for e in entries) / 1e6,
+        "held_mb_per_rank": max(e["memory"]["held_bytes"] for e in entries) / 1e6,
         "calls_by_phase_rank0": by_phase,
         "reduction_calls_rank0": [
             {"op": c[1], "numel": c[2], "dtype": c[3], "group": list(c[4]), "dst": c[5]}
@@ -101,6 +107,7 @@ def summarize(setups: Sequence[Setup], per_rank: list[Mapping[str, Any]]) -> dic
         )
         row["backward_x_reference"] = row["backward_ms"] / ref["backward_ms"]
         row["step_x_reference"] = row["step_ms"] / ref["step_ms"]
+        row["peak_x_reference"] = row["peak_mb_per_rank"] / ref["peak_mb_per_rank"]
     return {
         "rows": [rows[s.key] for s in setups],
         "zero3_refusal": per_rank[0].get("zero3_refusal"),
@@ -118,6 +125,8 @@ def footnotes(summary: Mapping[str, Any], world_size: int) -> list[str]:
         "calls: gradient reductions (reduce / all_reduce / reduce_scatter) per backward, counted at deepspeed.comm "
         "and torch.distributed; (n): those on groups of more than one rank.",
         "MB/rank: bytes one rank sends for them (ring model of `flatgrad plan`), mean over ranks.",
+        "peak MB/rank: the most tensor memory a rank's setup held, built alone and trained 2 untimed steps "
+        "(model, optimizer states, activations, gradient path); the most of any rank.",
         "times: slowest rank per step, median over the steps after the first; step = forward + backward + "
         "optimizer step. opt calls: collectives of the optimizer step (norms, the parameter all_gather).",
         "max |dloss|: largest loss difference from the stock row of the same stage, over ranks and steps.",
@@ -144,7 +153,10 @@ def footnotes(summary: Mapping[str, Any], world_size: int) -> list[str]:
 
 def text_table(summary: Mapping[str, Any], world_size: int, device: str, machine: str = "") -> str:
     """The side-by-side table with its footnotes."""
-    header = ("setup", "model", "params", "calls", "MB/rank", "bwd+reduce ms", "step ms", "opt calls", "max |dloss|")
+    header = (
+        "setup", "model", "params", "calls", "MB/rank", "peak MB/rank", "bwd+reduce ms", "step ms", "opt calls",
+        "max |dloss|",
+    )  # fmt: skip
     lines = []
     for r in summary["rows"]:
         ref = r["key"] == r["reference"]
@@ -154,6 +166,7 @@ def text_table(summary: Mapping[str, Any], world_size: int, device: str, machine
             f"{r['n_params'] / 1e6:.2f}M",
             f"{r['reductions']} ({r['reductions_multi_rank']})",
             f"{r['sent_mb_per_rank']:.2f}",
+            f"{r['peak_mb_per_rank']:.1f}" + ("" if ref else f" ({r['peak_x_reference']:.2f}x)"),
             _fmt_ms(r["backward_ms"]) + ("" if ref else f" ({r['backward_x_reference']:.2f}x)"),
             _fmt_ms(r["step_ms"]) + ("" if ref else f" ({r['step_x_reference']:.2f}x)"),
             str(r["step_collectives"]),

@@ -9,13 +9,22 @@ from the step, so the MoE gate's random token selection is the same for all.
 
 Per setup and step this rank measures wall times (forward, backward =
 autograd + DeepSpeed's hooks + the gradient reduction + its epilogue, the
-optimizer step, and the whole step), the loss, and every collective call (see
-``measure``). Rank 0 reports progress to the parent with ``send_message``.
+optimizer step, and the whole step), the loss, every collective call (see
+``measure``), and memory. Rank 0 reports progress to the parent with ``send_message``.
+
+[Note: demo memory]
+The engines of a stage are alive together while they are timed, so one
+process-wide peak would mix them (and ZeRO-3 engines free each other's
+gathered parameters). So after a stage's timed steps, every setup of that
+stage is built once more alone, under a ``MemoryCensus`` started before the
+model is built, and trains two steps: its peak and what it holds after them
+are the memory figures. Nothing is timed then.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -23,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..bench.memory_census import MemoryCensus
 from ..kernels import DTYPE_NAMES
 from .launch import send_message
 from .measure import CollectiveRecorder
@@ -144,6 +154,21 @@ def _step(engine: Any, batch: tuple[torch.Tensor, torch.Tensor], recorder: Colle
     return {"loss": loss.detach().float(), **times, "calls": recorder.take()}
 
 
+def _memory(setup: Setup, model: tuple[str, dict], options: Options, world_size: int, batches: list,
+            dtype: torch.dtype) -> dict:  # fmt: skip
+    """The setup built alone and trained two steps under a census. See [Note: demo memory]."""
+    gc.collect()  # what earlier engines left in reference cycles is not this setup's
+    with MemoryCensus(options.device) as census:
+        engine = _engine(setup, build_model(model, options.seed), options, world_size)
+        for x, y in batches[:2]:
+            torch.manual_seed(options.seed)
+            engine.backward(engine(x.to(engine.device, dtype), y.to(engine.device, dtype)))
+            engine.step()
+        census.mark("after two steps")
+    engine.destroy()
+    return {"peak_bytes": census.peak, "held_bytes": census.at("after two steps")}
+
+
 def _describe(setup: Setup, engine: Any, model_name: str) -> dict:
     """Static facts of an engine: parameters, optimizer groups, flatgrad's buckets."""
     opt = engine.optimizer
@@ -205,6 +230,10 @@ def rank_main(rank: int, world_size: int, options: Options) -> dict:
                     out["setups"][setup.key]["info"].update(_describe(setup, engines[setup.key], model[0]))
                 engines[setup.key].destroy()
             engines.clear()
+            for setup in setups:
+                progress(("phase", f"memory of {setup.label}, built alone"))
+                out["setups"][setup.key]["memory"] = _memory(setup, model, options, world_size, batches, dtype)
+            recorder.take()
     finally:
         recorder.uninstall()
     for entry in out["setups"].values():  # one host sync for all losses
