@@ -19,6 +19,8 @@ from ..cli import positive_int as _positive_int
 from ..kernels import DTYPE_NAMES
 from . import models, report, schedules
 from .cost import CostModel
+from .memory import gradient_path_memory
+from .schedule import element_size
 
 __all__ = ["add_arguments", "run_from_args"]
 
@@ -87,12 +89,20 @@ def run_from_args(args: argparse.Namespace) -> int:
         "dtype": args.dtype, "comm_dtype": args.comm_dtype or args.dtype, "bucket": f"{args.bucket:,} elements",
         "rank": args.rank,
     }  # fmt: skip
-    doc = report.json_report(spec, runs, cost, config)
+    grad_bytes = element_size(dtype)
+    comm_bytes = element_size(comm_dtype or dtype)
+    memory = {
+        (w, s.key): gradient_path_memory(s.key, spec.numel, w, args.bucket, grad_bytes, comm_bytes)
+        for w, schedules_of_w in runs
+        for s in schedules_of_w
+        if not s.unavailable
+    }
+    doc = report.json_report(spec, runs, cost, config, memory)
     if args.json == "-":
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(report.text_report(spec, runs, cost, config))
+        sys.stdout.write(report.text_report(spec, runs, cost, config, memory))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1)

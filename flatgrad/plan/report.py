@@ -6,13 +6,19 @@ import statistics
 from typing import Any, Mapping, Sequence
 
 from .cost import CostModel
+from .memory import GradientPathMemory
 from .models import ModelSpec
 from .schedule import Schedule, size_histogram
 
 __all__ = ["summarize", "text_report", "json_report", "plot"]
 
 
-def summarize(schedule: Schedule, cost: CostModel, calls: bool = True) -> dict[str, Any]:
+Memory = Mapping[tuple[int, str], GradientPathMemory]
+
+
+def summarize(
+    schedule: Schedule, cost: CostModel, calls: bool = True, memory: GradientPathMemory | None = None
+) -> dict[str, Any]:
     """One schedule's figures (and, with ``calls``, every call) as plain data."""
     sizes = sorted(c.nbytes for c in schedule.calls)
     out: dict[str, Any] = {
@@ -35,6 +41,8 @@ def summarize(schedule: Schedule, cost: CostModel, calls: bool = True) -> dict[s
         "largest_bytes": sizes[-1] if sizes else 0,
         "histogram": [list(b) for b in size_histogram(schedule.calls)],
     }
+    if memory is not None:
+        out["gradient_path_bytes"] = {"between": memory.between, "peak": memory.peak}
     if calls:
         out["call_list"] = [
             [c.op, c.numel, str(c.dtype).replace("torch.", ""), c.dst, [c.group.start, c.group.stop, c.group.step], c.payload]
@@ -60,13 +68,19 @@ def _ops(ops: Mapping[str, int]) -> str:
 
 
 def text_report(
-    spec: ModelSpec, runs: Sequence[tuple[int, Sequence[Schedule]]], cost: CostModel, config: Mapping[str, Any]
+    spec: ModelSpec,
+    runs: Sequence[tuple[int, Sequence[Schedule]]],
+    cost: CostModel,
+    config: Mapping[str, Any],
+    memory: Memory | None = None,
 ) -> str:
     """A plain-text table per world size, then each schedule's call-size histogram.
 
     Columns: calls per backward, the ops, call sizes (smallest, median, largest),
     the bytes the simulated rank sends, padding as a share of the gradient
-    elements, and the modelled time of the calls in series (``cost``).
+    elements, the modelled time of the calls in series (``cost``), and with
+    ``memory`` the gradient path's bytes per rank between steps / at the peak
+    (``flatgrad.plan.memory``).
     """
     lines = [
         f"flatgrad plan: {spec.name}, {spec.numel:,} trainable parameters, backward order {spec.order_source}",
@@ -74,18 +88,18 @@ def text_report(
         f"  link model: NVLink {cost.nvlink_busbw_gbps:g} GB/s, IB {cost.ib_busbw_gbps:g} GB/s, alpha {cost.alpha_us:g} us, "
         f"hop {cost.nvlink_hop_us:g} us (NVLink) / {cost.ib_hop_us:g} us (IB), {cost.gpus_per_node} GPUs per node",
     ]
-    header = ("schedule", "calls", "ops", "smallest", "median", "largest", "bytes sent", "padding", "time")
+    header = ("schedule", "calls", "ops", "smallest", "median", "largest", "bytes sent", "padding", "time", "grad mem")
     for world_size, schedules in runs:
         rows = []
         for s in schedules:
             f = summarize(s, cost, calls=False)
             if s.unavailable:
-                rows.append((s.name, "-", "not possible: " + s.unavailable, "", "", "", "", "", ""))
+                rows.append((s.name, "-", "not possible: " + s.unavailable, "", "", "", "", "", "", ""))
                 continue
             rows.append((
                 s.name, str(f["calls"]), _ops(f["ops"]), _bytes(f["smallest_bytes"]), _bytes(f["median_bytes"]),
                 _bytes(f["largest_bytes"]), _bytes(f["bytes_sent"]), f"{100 * f['padding_overhead']:.3f}%",
-                _time(f["time_s"]),
+                _time(f["time_s"]), _memory_cell(memory, world_size, s.key),
             ))  # fmt: skip
         widths = [max(len(r[i]) for r in [header, *rows] if not (r[1] == "-" and i >= 2)) for i in range(len(header))]
         lines += ["", f"world size {world_size}"]
@@ -100,11 +114,25 @@ def text_report(
             if s.calls:
                 bins = ", ".join(f"{_bytes(lo)}: {n}" for lo, _, n in size_histogram(s.calls))
                 lines.append(f"  {s.name}: {bins}")
+    if memory:
+        lines.append(
+            "grad mem: the gradient path's bytes per rank, between steps / at the peak (model states and activations "
+            "are equal for all schedules and left out; formulas in flatgrad/plan/memory.py, measured by bench/memory.py)"
+        )
     return "\n".join(lines) + "\n"
 
 
+def _memory_cell(memory: Memory | None, world_size: int, key: str) -> str:
+    m = memory.get((world_size, key)) if memory else None
+    return "-" if m is None else f"{_bytes(m.between)} / {_bytes(m.peak)}"
+
+
 def json_report(
-    spec: ModelSpec, runs: Sequence[tuple[int, Sequence[Schedule]]], cost: CostModel, config: Mapping[str, Any]
+    spec: ModelSpec,
+    runs: Sequence[tuple[int, Sequence[Schedule]]],
+    cost: CostModel,
+    config: Mapping[str, Any],
+    memory: Memory | None = None,
 ) -> dict[str, Any]:
     """Everything in the text report, plus every call, as JSON-ready data."""
     return {
@@ -112,7 +140,8 @@ def json_report(
         "config": dict(config),
         "cost_model": {k: getattr(cost, k) for k in cost.__dataclass_fields__},
         "world_sizes": [
-            {"world_size": w, "schedules": [summarize(s, cost) for s in schedules]} for w, schedules in runs
+            {"world_size": w, "schedules": [summarize(s, cost, memory=(memory or {}).get((w, s.key))) for s in schedules]}
+            for w, schedules in runs
         ],
     }
 
