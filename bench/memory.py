@@ -24,8 +24,8 @@ largest ZeRO-1/2 sub-group (or ZeRO-3 bucket) and ``c`` the comm dtype's bytes:
 
 The last table projects the gradient path's memory (what differs between
 stock and flatgrad; model states and activations are equal) to a 7B model at 8,
-64 and 1024 ranks, bf16, from the formulas in ``gradient_path_bytes``; the
-measured rows check those formulas on the small model. Example::
+64 and 1024 ranks, bf16, from the formulas of ``flatgrad.plan.memory`` (which
+``flatgrad plan`` prints too). Example::
 
     python bench/memory.py                              # everything, about 3 minutes here
     python bench/memory.py --stages 2 --world-sizes 2 --dtypes bf16 --out memory.json
@@ -45,11 +45,12 @@ import torch
 from flatgrad.bench._harness import machine_info, machine_line
 from flatgrad.bench.memory_census import MemoryCensus
 from flatgrad.demo.launch import run_ranks
+from flatgrad.plan.memory import gradient_path_memory
 
 _MODES = ("stock", "flatgrad")
 
 
-def _config(stage: int, dtype: str, world_size: int, bucket: int, gas: int, flatgrad: bool) -> dict:
+def _config(stage: int, dtype: str, world_size: int, bucket: int, gas: int, flatgrad: bool, comm_buffers: int) -> dict:
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket}
     if stage in (1, 2):
         zero["allgather_bucket_size"] = max(bucket, 10**7)
@@ -67,7 +68,7 @@ def _config(stage: int, dtype: str, world_size: int, bucket: int, gas: int, flat
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if flatgrad:
-        cfg["flatgrad"] = {}
+        cfg["flatgrad"] = {"comm_buffers": comm_buffers}
     return cfg
 
 
@@ -94,7 +95,10 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
         torch.manual_seed(0)
         model = models.build("mlp", "cpu", d_in=width, hidden=width, d_out=width, layers=job["layers"])
         n_params = sum(p.numel() for p in model.parameters())
-        cfg = _config(job["stage"], job["dtype"], world_size, job["bucket"], job["gas"], job["mode"] == "flatgrad")
+        cfg = _config(
+            job["stage"], job["dtype"], world_size, job["bucket"], job["gas"], job["mode"] == "flatgrad",
+            job["comm_buffers"],
+        )
         engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
         census.mark("built")
         census.reset_peak()
@@ -127,31 +131,6 @@ def _largest_bucket(engine: Any, job: dict) -> int:
     return job["bucket"]
 
 
-def gradient_path_bytes(
-    mode: str, stage: int, n_params: int, world_size: int, bucket: int, comm_bytes: int, comm_buffers: int = 2
-) -> dict[str, float]:
-    """The gradient path's bytes per rank, between steps and at the peak (a model of the code, bf16 params).
-
-    Stock ZeRO-1/2 keeps nothing between steps; during backward it holds its
-    IPG bucket and the bit16 gradient partition (2P/W), and at the step the
-    fp32 copy of one sub-group's partition (4P/W for one param group).
-    flatgrad ZeRO-1/2 keeps ``comm_buffers`` comm buffers, and during a
-    window the fp32 partitions (4P/W), which step() reads without a copy.
-    ZeRO-3 (both) holds the IPG bucket and the fp32 grad partitions (4P/W)
-    between steps; flatgrad's gradients wait for their bucket's pack, up to
-    one bucket more.
-    """
-    if stage in (1, 2):
-        if mode == "stock":
-            return {"between": 0.0, "peak": bucket * comm_bytes + 2 * n_params / world_size + 4 * n_params / world_size}
-        return {
-            "between": comm_buffers * bucket * comm_bytes,
-            "peak": comm_buffers * bucket * comm_bytes + 4 * n_params / world_size,
-        }
-    base = bucket * comm_bytes + 4 * n_params / world_size
-    return {"between": base, "peak": base + (bucket * comm_bytes if mode == "flatgrad" else 0.0)}
-
-
 def _run(args: argparse.Namespace) -> list[dict]:
     rows = []
     n_params = args.layers * (args.width * args.width + args.width) + args.width
@@ -164,6 +143,7 @@ def _run(args: argparse.Namespace) -> list[dict]:
                     job = dict(
                         stage=stage, dtype=dtype, mode=mode, device=args.device, width=args.width,
                         layers=args.layers, bucket=bucket, steps=args.steps, gas=args.gas,
+                        comm_buffers=args.comm_buffers,
                     )  # fmt: skip
                     results = run_ranks(_rank, world_size, job, timeout=600)
                     row[mode] = {
@@ -238,12 +218,12 @@ def _projection(bucket: float = 5e8) -> tuple[str, list[dict]]:
     lines.append(f"{'stage':8} {'W':>5}  {'stock':>15}  {'flatgrad':>15}  {'flatgrad - stock (peak)':>24}")
     for stage in (2, 3):
         for w in (8, 64, 1024):
-            s = gradient_path_bytes("stock", stage, int(p), w, int(bucket), 2)
-            f = gradient_path_bytes("flatgrad", stage, int(p), w, int(bucket), 2)
-            rows.append({"stage": stage, "world_size": w, "stock": s, "flatgrad": f})
+            s = gradient_path_memory(f"stock_zero{stage}", int(p), w, int(bucket), 2, 2)
+            f = gradient_path_memory(f"flatgrad_zero{stage}", int(p), w, int(bucket), 2, 2)
+            rows.append({"stage": stage, "world_size": w, "stock": s._asdict(), "flatgrad": f._asdict()})
             lines.append(
-                f"ZeRO-{stage}   {w:>5}  {s['between'] / 1e9:6.2f} / {s['peak'] / 1e9:6.2f}  "
-                f"{f['between'] / 1e9:6.2f} / {f['peak'] / 1e9:6.2f}  {(f['peak'] - s['peak']) / 1e9:+24.2f}"
+                f"ZeRO-{stage}   {w:>5}  {s.between / 1e9:6.2f} / {s.peak / 1e9:6.2f}  "
+                f"{f.between / 1e9:6.2f} / {f.peak / 1e9:6.2f}  {(f.peak - s.peak) / 1e9:+24.2f}"
             )
     return "\n".join(lines), rows
 
@@ -259,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps")
     parser.add_argument("--gas", type=int, default=2, help="gradient accumulation steps")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--comm-buffers", type=int, default=2, help="flatgrad's 'comm_buffers' (ZeRO-1/2)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.device == "cpu" else "cuda")
