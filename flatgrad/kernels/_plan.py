@@ -185,6 +185,7 @@ class _TensorTable:
 
     def upload(self) -> None:
         """Make the device table the host one (CUDA: one asynchronous copy on the current stream)."""
+        self._stale = True  # until the copy is queued: a refused upload leaves the next call to retry
         if self.on_device is not self.host:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
