@@ -96,6 +96,8 @@ def pack(
     range is written as zeros. Returns the buffer (``out`` if given). Repeated
     calls reuse a cached ``PackPlan`` (see [Note: plan cache]).
     """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a flatgrad.Layout, got {type(layout).__name__}")
     key = (layout, backend, os.environ.get("FLATGRAD_BACKEND"))
     plan = _cached(_pack_plans, key)
     # Without out= or dtype= the buffer's dtype comes from the tensors; the plan's
@@ -158,6 +160,9 @@ def unpack(
     the values written, computed in the same pass. Repeated calls reuse a
     cached ``UnpackPlan`` (see [Note: plan cache]).
     """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a flatgrad.Layout, got {type(layout).__name__}")
+    rank = layout._check_rank(rank)
     key = (layout, rank, isinstance(out, torch.Tensor), backend, os.environ.get("FLATGRAD_BACKEND"))
     plan = _cached(_unpack_plans, key)
     if plan is None:
