@@ -60,9 +60,10 @@ _plans_lock = threading.Lock()
 def _cached(cache: collections.OrderedDict, key: tuple):
     plan = cache.get(key)
     if plan is not None:
-        with _plans_lock:
-            if key in cache:
-                cache.move_to_end(key)
+        try:
+            cache.move_to_end(key)
+        except KeyError:  # another thread evicted it meanwhile; this call still uses the plan
+            pass
     return plan
 
 
