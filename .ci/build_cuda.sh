@@ -8,7 +8,7 @@
 # error, then checks that
 #   1. the shared object carries an sm_90 cubin with the flatgrad kernels,
 #   2. importing it under the CUDA torch registers CUDA (and CPU) kernels for
-#      flatgrad::pack and flatgrad::unpack,
+#      flatgrad::pack, flatgrad::unpack and the plans' _pack_table / _unpack_table,
 #   3. the CUDA element loop passes its host-side check
 #      (.ci/cuda_copy_host_check.cu, under UBSan so that a misaligned 16-byte
 #      vector access fails the check).
@@ -90,12 +90,13 @@ import torch
 import flatgrad._C  # noqa: F401  (registers torch.ops.flatgrad)
 
 has = torch._C._dispatch_has_kernel_for_dispatch_key
-for op in ("pack", "unpack"):
+ops = ("pack", "unpack", "_pack_table", "_unpack_table")
+for op in ops:
     print(" ", getattr(torch.ops.flatgrad, op).default._schema)
-missing = [f"flatgrad::{op} {key}" for op in ("pack", "unpack") for key in ("CUDA", "CPU") if not has(f"flatgrad::{op}", key)]
+missing = [f"flatgrad::{op} {key}" for op in ops for key in ("CUDA", "CPU") if not has(f"flatgrad::{op}", key)]
 if missing:
     raise SystemExit(f"no kernel registered for: {missing}")
-print("CUDA and CPU kernels are registered for flatgrad::pack and flatgrad::unpack")
+print(f"CUDA and CPU kernels are registered for {', '.join('flatgrad::' + op for op in ops)}")
 EOF
 )
 

@@ -1,6 +1,7 @@
 // flatgrad's compiled ops: the schemas (declared once, here) and the CPU kernels.
 //
-// pack:   buffer[runs] <- cast(scale * tensors[...]), padding zero, in one pass.
+// pack:   buffer[runs] <- cast(scale * tensors[...]), padding zero, in one pass;
+//         a missing tensor (None, or address 0 in a plan's table) packs as zeros.
 // unpack: outs[runs]   <- cast(scale * shard[...]) or outs + scale * shard, plus
 //         optional stats [sum_sq, nonfinite_count] of the values written.
 //
@@ -14,8 +15,6 @@
 // Work is balanced by element ranges, not by runs: run tables are read as
 // sorted, contiguous intervals and every thread binary-searches the first run
 // of its range (see [Note: run tables] in flatgrad/layout.py).
-
-#include <Python.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -215,25 +214,47 @@ void copy_span(const void* src, at::ScalarType in, void* dst, at::ScalarType out
   });
 }
 
+// A pack input: data == nullptr means "no source" (its range is written as zeros).
 struct Source {
   const char* data;
   at::ScalarType dtype;
   int64_t itemsize;
 };
 
-void pack_cpu(at::TensorList tensors, const at::Tensor& runs, const at::Tensor& out, double scale) {
-  constexpr const char* op = "flatgrad::pack";
+void check_table(const at::Tensor& table, const char* op) {
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == table_col::kWidth, op,
+              ": table must be int64 of shape [T, ", table_col::kWidth, "], got ", table.scalar_type(), " ",
+              table.sizes());
+  TORCH_CHECK(table.device().is_cpu() && table.is_contiguous(), op, ": table must be a contiguous CPU tensor");
+}
+
+// The entries of a tensor table (made and checked by a plan) as typed pointers.
+template <typename Entry>
+std::vector<Entry> table_entries(const at::Tensor& table, const char* op) {
+  check_table(table, op);
+  std::vector<Entry> entries;
+  entries.reserve(table.size(0));
+  const int64_t* row = table.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < table.size(0); ++i, row += table_col::kWidth) {
+    const int64_t code = row[table_col::kCode];
+    TORCH_CHECK(row[table_col::kAddress] == 0 || (code >= kCodeFloat && code <= kCodeHalf), op, ": table[", i,
+                "] has dtype code ", code);
+    const at::ScalarType dtype = code_dtype(code);
+    entries.push_back({reinterpret_cast<decltype(Entry::data)>(row[table_col::kAddress]), dtype,
+                       static_cast<int64_t>(c10::elementSize(dtype))});
+  }
+  return entries;
+}
+
+// Fills `out` from `sources` along the pack run table. `numels` (one per
+// source, -1 for a missing one) bounds every read; empty when a plan has
+// already matched the tensors to the layout.
+void pack_sources(const std::vector<Source>& sources, const std::vector<int64_t>& numels, const at::Tensor& runs,
+                  const at::Tensor& out, double scale, const char* op) {
   using namespace pack_col;
   check_runs(runs, kWidth, op);
   check_dense(out, op, "out");
-  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
-  std::vector<Source> sources;
-  sources.reserve(num_tensors);
-  for (int64_t i = 0; i < num_tensors; ++i) {
-    check_dense(tensors[i], op, "tensors", i);
-    sources.push_back({static_cast<const char*>(tensors[i].const_data_ptr()), tensors[i].scalar_type(),
-                       static_cast<int64_t>(tensors[i].element_size())});
-  }
+  const int64_t num_tensors = static_cast<int64_t>(sources.size());
 
   // One pass over the table: the runs must tile `out` in order, and every
   // run must read inside its tensor. start[k] is run k's first element.
@@ -251,9 +272,12 @@ void pack_cpu(at::TensorList tensors, const at::Tensor& runs, const at::Tensor& 
     TORCH_CHECK(t >= -1 && t < num_tensors, op, ": runs[", k, "] reads tensors[", t, "], but ", num_tensors,
                 " tensors were given");
     if (r[kValid] > 0) {
-      TORCH_CHECK(t >= 0 && r[kSrcOffset] >= 0 && r[kSrcOffset] + r[kValid] <= tensors[t].numel(), op, ": runs[",
-                  k, "] reads [", r[kSrcOffset], ", ", r[kSrcOffset] + r[kValid], ") of tensors[", t,
-                  "], which has ", t >= 0 ? tensors[t].numel() : 0, " elements");
+      TORCH_CHECK(t >= 0, op, ": runs[", k, "] has valid ", r[kValid], " but no tensor");
+      if (!numels.empty() && numels[t] >= 0) {
+        TORCH_CHECK(r[kSrcOffset] >= 0 && r[kSrcOffset] + r[kValid] <= numels[t], op, ": runs[", k, "] reads [",
+                    r[kSrcOffset], ", ", r[kSrcOffset] + r[kValid], ") of tensors[", t, "], which has ", numels[t],
+                    " elements");
+      }
     }
     start[k] = total;
     total += r[kLength];
@@ -272,19 +296,47 @@ void pack_cpu(at::TensorList tensors, const at::Tensor& runs, const at::Tensor& 
       const int64_t* r = table + k * kWidth;
       const int64_t run_end = std::min(end, start[k + 1]);
       const int64_t valid_end = std::min(run_end, start[k] + r[kValid]);
-      if (pos < valid_end) {
+      if (pos < valid_end && sources[r[kTensorIndex]].data != nullptr) {
         const Source& s = sources[r[kTensorIndex]];
         const int64_t src = r[kSrcOffset] + (pos - start[k]);
         copy_span(s.data + src * s.itemsize, s.dtype, out_data + pos * out_size, out_dtype, valid_end - pos, scaled,
                   fscale);
         pos = valid_end;
       }
-      if (pos < run_end) {  // padding: all-zero bits are +0.0 in every dtype
+      if (pos < run_end) {  // padding or a missing tensor: all-zero bits are +0.0 in every dtype
         std::memset(out_data + pos * out_size, 0, (run_end - pos) * out_size);
         pos = run_end;
       }
     }
   });
+}
+
+void pack_cpu(const c10::List<std::optional<at::Tensor>>& tensors, const at::Tensor& runs, const at::Tensor& out,
+              double scale) {
+  constexpr const char* op = "flatgrad::pack";
+  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
+  std::vector<Source> sources;
+  std::vector<int64_t> numels;
+  sources.reserve(num_tensors);
+  numels.reserve(num_tensors);
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    const std::optional<at::Tensor> t = tensors[i];
+    if (!t.has_value()) {
+      sources.push_back({nullptr, at::kFloat, 0});
+      numels.push_back(-1);
+      continue;
+    }
+    check_dense(*t, op, "tensors", i);
+    sources.push_back({static_cast<const char*>(t->const_data_ptr()), t->scalar_type(),
+                       static_cast<int64_t>(t->element_size())});
+    numels.push_back(t->numel());
+  }
+  pack_sources(sources, numels, runs, out, scale, op);
+}
+
+void pack_table_cpu(const at::Tensor& table, const at::Tensor& runs, const at::Tensor& out, double scale) {
+  constexpr const char* op = "flatgrad::_pack_table";
+  pack_sources(table_entries<Source>(table, op), {}, runs, out, scale, op);
 }
 
 // ---------------------------------------------------------------------------
@@ -363,20 +415,16 @@ struct Target {
   int64_t itemsize;
 };
 
-at::Tensor unpack_cpu(const at::Tensor& shard, const at::Tensor& runs, at::TensorList outs, double scale,
-                      bool accumulate, bool stats) {
-  constexpr const char* op = "flatgrad::unpack";
+// Writes `shard` into `targets` along the unpack run table. `numels` (one
+// per target) bounds every write; empty when a plan has already matched the
+// outputs to the layout.
+at::Tensor unpack_targets(const at::Tensor& shard, const at::Tensor& runs, const std::vector<Target>& targets,
+                          const std::vector<int64_t>& numels, double scale, bool accumulate, bool stats,
+                          const char* op) {
   using namespace unpack_col;
   check_runs(runs, kWidth, op);
   check_dense(shard, op, "shard");
-  const int64_t num_outs = static_cast<int64_t>(outs.size());
-  std::vector<Target> targets;
-  targets.reserve(num_outs);
-  for (int64_t i = 0; i < num_outs; ++i) {
-    check_dense(outs[i], op, "outs", i);
-    targets.push_back({static_cast<char*>(outs[i].data_ptr()), outs[i].scalar_type(),
-                       static_cast<int64_t>(outs[i].element_size())});
-  }
+  const int64_t num_outs = static_cast<int64_t>(targets.size());
 
   // One pass over the table: every run must stay inside shard and its out.
   // Work is numbered by the concatenation of the runs: start[k] is run k's
@@ -394,9 +442,11 @@ at::Tensor unpack_cpu(const at::Tensor& shard, const at::Tensor& runs, at::Tenso
     TORCH_CHECK(r[kSrcOffset] >= 0 && r[kSrcOffset] + r[kLength] <= shard.numel(), op, ": runs[", k, "] reads [",
                 r[kSrcOffset], ", ", r[kSrcOffset] + r[kLength], ") of shard, which has ", shard.numel(),
                 " elements");
-    TORCH_CHECK(r[kOutOffset] >= 0 && r[kOutOffset] + r[kLength] <= outs[o].numel(), op, ": runs[", k,
-                "] writes [", r[kOutOffset], ", ", r[kOutOffset] + r[kLength], ") of outs[", o, "], which has ",
-                outs[o].numel(), " elements");
+    if (!numels.empty()) {
+      TORCH_CHECK(r[kOutOffset] >= 0 && r[kOutOffset] + r[kLength] <= numels[o], op, ": runs[", k, "] writes [",
+                  r[kOutOffset], ", ", r[kOutOffset] + r[kLength], ") of outs[", o, "], which has ", numels[o],
+                  " elements");
+    }
     start[k] = total;
     total += r[kLength];
   }
@@ -445,25 +495,55 @@ at::Tensor unpack_cpu(const at::Tensor& shard, const at::Tensor& runs, at::Tenso
   return result;
 }
 
+at::Tensor unpack_cpu(const at::Tensor& shard, const at::Tensor& runs, at::TensorList outs, double scale,
+                      bool accumulate, bool stats) {
+  constexpr const char* op = "flatgrad::unpack";
+  const int64_t num_outs = static_cast<int64_t>(outs.size());
+  std::vector<Target> targets;
+  std::vector<int64_t> numels;
+  targets.reserve(num_outs);
+  numels.reserve(num_outs);
+  for (int64_t i = 0; i < num_outs; ++i) {
+    check_dense(outs[i], op, "outs", i);
+    targets.push_back({static_cast<char*>(outs[i].data_ptr()), outs[i].scalar_type(),
+                       static_cast<int64_t>(outs[i].element_size())});
+    numels.push_back(outs[i].numel());
+  }
+  return unpack_targets(shard, runs, targets, numels, scale, accumulate, stats, op);
+}
+
+at::Tensor unpack_table_cpu(const at::Tensor& shard, const at::Tensor& runs, const at::Tensor& table,
+                            at::ScalarType out_dtype, double scale, bool accumulate, bool stats) {
+  constexpr const char* op = "flatgrad::_unpack_table";
+  std::vector<Target> targets = table_entries<Target>(table, op);
+  for (size_t i = 0; i < targets.size(); ++i) {
+    TORCH_CHECK(targets[i].data == nullptr || targets[i].dtype == out_dtype, op, ": table[", i,
+                "] must hold an output of dtype ", out_dtype);
+  }
+  return unpack_targets(shard, runs, targets, {}, scale, accumulate, stats, op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flatgrad, m) {
   // Fake (meta) implementations live in Python, for torch.compile.
   m.set_python_module("flatgrad.kernels.compiled");
-  m.def("pack(Tensor[] tensors, Tensor runs, Tensor(a!) out, float scale) -> ()");
+  m.def("pack(Tensor?[] tensors, Tensor runs, Tensor(a!) out, float scale) -> ()");
   m.def("unpack(Tensor shard, Tensor runs, Tensor(a!)[] outs, float scale, bool accumulate, bool stats) -> Tensor");
+  // The plans' ops (see [Note: plans] in flatgrad/kernels/_plan.py): the tensors
+  // come as a table of (address, dtype code) rows on the op's device, made,
+  // checked and kept alive by a PackPlan / UnpackPlan, so a call converts no
+  // tensor list. Eager only: the schema cannot name what the addresses alias.
+  m.def("_pack_table(Tensor table, Tensor runs, Tensor(a!) out, float scale) -> ()");
+  m.def("_unpack_table(Tensor shard, Tensor runs, Tensor table, ScalarType out_dtype, float scale, bool accumulate, "
+        "bool stats) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flatgrad, CPU, m) {
   m.impl("pack", &pack_cpu);
   m.impl("unpack", &unpack_cpu);
+  m.impl("_pack_table", &pack_table_cpu);
+  m.impl("_unpack_table", &unpack_table_cpu);
 }
 
 }  // namespace flatgrad
-
-// `from flatgrad import _C` loads this library, which registers the ops above.
-extern "C" PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "flatgrad's compiled ops (torch.ops.flatgrad)",
-                                      -1, nullptr};
-  return PyModule_Create(&module);
-}

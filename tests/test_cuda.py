@@ -8,7 +8,8 @@ in ``tests/test_kernels.py``; this file checks what only a GPU shows:
   stream;
 * the device guard: tensors on a device other than the current one;
 * the user-facing checks of the compiled ops;
-* offsets past 2^31 elements (int64 index math end to end).
+* offsets past 2^31 elements (int64 index math end to end);
+* a plan's device table: no upload per call, CUDA graph capture and replay.
 """
 
 from __future__ import annotations
@@ -182,3 +183,47 @@ def test_unpack_offsets_past_2_31_elements() -> None:
     stats = flatgrad.unpack(shard, layout, 0, outs, return_stats=True, backend="cuda")
     assert outs[1][7].item() == float("inf") and bool(stats.nonfinite)
     assert outs[0][-1].item() == shard[_BIG - 1].item()
+
+
+def test_plan_uploads_only_when_pointers_change_and_captures_in_a_cuda_graph() -> None:
+    """A plan's table stays on the device: no upload per call, so a call can be captured and replayed."""
+    layout = Layout.chunked([3, 1000, 4097, 12345], world_size=4)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float32]
+    tensors = _tensors(layout.numels, dtypes, seed=5)
+    tensors[2] = None  # a missing gradient packs as zeros
+    plan = flatgrad.PackPlan(layout, tensors, dtype=torch.bfloat16, backend="cuda")
+    out = torch.empty(layout.numel, device=DEVICE, dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        plan(tensors, out, scale=0.5)  # uploads once, outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            plan(tensors, out, scale=0.5)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert plan.uploads == 1
+    for t in tensors:
+        if t is not None:
+            t.mul_(3)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_bits_equal(out, flatgrad.pack(tensors, layout, dtype=torch.bfloat16, scale=0.5, backend="torch"))
+    moved = [None if t is None else t.clone() for t in tensors]
+    with pytest.raises(RuntimeError, match="during CUDA graph capture"):
+        with torch.cuda.stream(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            plan(moved, out)
+    plan(moved, out, scale=0.5)  # outside capture the new pointers are uploaded
+    assert plan.uploads >= 2
+    _assert_bits_equal(out, flatgrad.pack(moved, layout, dtype=torch.bfloat16, scale=0.5, backend="torch"))
+
+
+def test_plain_op_with_several_tensors_still_refuses_capture() -> None:
+    layout = Layout.flat([10, 20], world_size=2)
+    tensors = _tensors(layout.numels, [torch.float32, torch.float32], seed=6)
+    runs = layout.pack_runs(8192).to(DEVICE)
+    out = torch.empty(layout.numel, device=DEVICE)
+    stream = torch.cuda.Stream()
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.stream(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            torch.ops.flatgrad.pack(tensors, runs, out, 1.0)

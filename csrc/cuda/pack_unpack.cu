@@ -28,6 +28,8 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "flatgrad/cuda_copy.cuh"
 #include "flatgrad/runs.h"
@@ -42,26 +44,11 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// Dtype codes of the per-call tensor table (column 1).
-enum DtypeCode : int64_t { kCodeFloat = 0, kCodeBFloat16 = 1, kCodeHalf = 2 };
-
-int64_t dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return kCodeFloat;
-    case at::kBFloat16:
-      return kCodeBFloat16;
-    case at::kHalf:
-      return kCodeHalf;
-    default:
-      return -1;
-  }
-}
-
-// Where the data of tensor `index` of the call lives. The table is a
-// per-call [T, 2] int64 device tensor (address, dtype code); with a single
-// tensor (a plain unpack into one flat partition, or a one-tensor pack) the
-// entry travels in the kernel arguments and no table is uploaded.
+// Where the data of tensor `index` of the call lives. The table is an int64
+// [T, 2] device tensor of (address, dtype code) rows (see table_col in
+// flatgrad/runs.h): made per call by the plain ops, or kept on the device by a
+// plan (the _*_table ops). With a single tensor the plain ops pass the entry
+// in the kernel arguments and upload no table. Address 0 is a missing tensor.
 struct TensorTable {
   const int64_t* entries;  // [T, 2] on the device, or nullptr when T == 1
   int64_t address0;
@@ -121,8 +108,10 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(
   const int64_t valid = __ldg(row + pack_col::kValid);
   const int64_t tid = threadIdx.x;
   out_t* dst = out + dst_offset;
-  if (valid > 0) {
-    const int64_t address = tensors.address(tensor_index);
+  // A missing tensor (address 0) packs as zeros, as padding does.
+  const int64_t address = valid > 0 ? tensors.address(tensor_index) : 0;
+  const int64_t copied = address != 0 ? valid : 0;
+  if (copied > 0) {
     switch (tensors.code(tensor_index)) {
       case kCodeFloat: {
         ElementOp<float, out_t, false, false> op(scale, scaled);
@@ -143,8 +132,8 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(
         break;  // unreachable: the host wrote the codes and checked every dtype
     }
   }
-  if (length > valid) {
-    zero_run(dst + valid, length - valid, tid, kThreads);
+  if (length > copied) {
+    zero_run(dst + copied, length - copied, tid, kThreads);
   }
 }
 
@@ -224,15 +213,15 @@ void check_operand(const char* op, const std::string& name, const at::Tensor& t,
 // the device with non_blocking=true on the current stream (an async H2D copy
 // ordered before the kernel, not a host sync; the caching host allocator
 // keeps the pinned block alive until the copy has run). A single tensor
-// needs no table: its entry goes in the kernel arguments.
-TensorTable make_table(at::TensorList tensors, const at::Device& device, at::Tensor& keep_alive) {
-  const int64_t count = static_cast<int64_t>(tensors.size());
+// needs no table: its entry goes in the kernel arguments. `address(i)` and
+// `code(i)` give entry i (address 0: a missing tensor).
+template <typename Address, typename Code>
+TensorTable make_table(int64_t count, Address address, Code code, const at::Device& device, at::Tensor& keep_alive) {
   if (count == 0) {
     return TensorTable{nullptr, 0, -1};
   }
   if (count == 1) {
-    return TensorTable{
-        nullptr, reinterpret_cast<int64_t>(tensors[0].data_ptr()), dtype_code(tensors[0].scalar_type())};
+    return TensorTable{nullptr, address(0), code(0)};
   }
   // Under CUDA graph capture the copy would be recorded from a pinned block that is
   // recycled after capture, so replays would read stale pointers: refuse clearly.
@@ -240,35 +229,36 @@ TensorTable make_table(at::TensorList tensors, const at::Device& device, at::Ten
   C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &capture));
   TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
               "flatgrad (CUDA): pack/unpack of several tensors cannot be captured in a CUDA graph "
-              "(the per-call tensor table is uploaded from host memory)");
-  at::Tensor host = at::empty({count, 2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+              "(the per-call tensor table is uploaded from host memory); use a flatgrad.PackPlan / UnpackPlan, "
+              "whose table stays on the device");
+  at::Tensor host = at::empty({count, table_col::kWidth}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* entries = host.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
-    entries[2 * i] = reinterpret_cast<int64_t>(tensors[i].data_ptr());
-    entries[2 * i + 1] = dtype_code(tensors[i].scalar_type());
+    entries[table_col::kWidth * i + table_col::kAddress] = address(i);
+    entries[table_col::kWidth * i + table_col::kCode] = code(i);
   }
-  keep_alive = at::empty({count, 2}, at::TensorOptions().dtype(at::kLong).device(device));
+  keep_alive = at::empty({count, table_col::kWidth}, at::TensorOptions().dtype(at::kLong).device(device));
   keep_alive.copy_(host, /*non_blocking=*/true);
   return TensorTable{keep_alive.data_ptr<int64_t>(), 0, -1};
 }
 
-void pack_cuda(at::TensorList tensors, const at::Tensor& runs, const at::Tensor& out, double scale) {
-  const char* op = "pack";
-  TORCH_CHECK(out.is_cuda(), "flatgrad::pack (CUDA): out must be a CUDA tensor, got ", out.device());
-  const at::Device device = out.device();
-  check_operand(op, "out", out, device);
-  check_runs(op, runs, device, pack_col::kWidth);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    check_operand(op, "tensors[" + std::to_string(i) + "]", tensors[i], device);
-  }
+// A plan's table, already on the device (see [Note: plans] in flatgrad/kernels/_plan.py).
+TensorTable device_table(const char* op, const at::Tensor& table, const at::Device& device) {
+  TORCH_CHECK(table.device() == device, "flatgrad::", op, ": table is on ", table.device(), ", expected ", device);
+  TORCH_CHECK(
+      table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == table_col::kWidth &&
+          table.is_contiguous(),
+      "flatgrad::", op, ": table must be a contiguous int64 tensor of shape [T, ", table_col::kWidth, "], got ",
+      table.scalar_type(), " ", table.sizes());
+  return TensorTable{table.data_ptr<int64_t>(), 0, -1};
+}
+
+void launch_pack(const at::Tensor& runs, const TensorTable& table, const at::Tensor& out, double scale) {
   const int64_t num_runs = runs.size(0);
   if (num_runs == 0) {
     return;
   }
-  const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor table_storage;
-  const TensorTable table = make_table(tensors, device, table_storage);
   const float scale_f = static_cast<float>(scale);
   const bool scaled = scale != 1.0;
   AT_DISPATCH_SWITCH(
@@ -287,6 +277,56 @@ void pack_cuda(at::TensorList tensors, const at::Tensor& runs, const at::Tensor&
             runs.data_ptr<int64_t>(), table, out.data_ptr<scalar_t>(), scale_f, scaled);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }));
+}
+
+// The checks every pack op makes of `out` and `runs`; returns the device.
+at::Device check_pack_operands(const char* op, const at::Tensor& out, const at::Tensor& runs) {
+  TORCH_CHECK(out.is_cuda(), "flatgrad::", op, " (CUDA): out must be a CUDA tensor, got ", out.device());
+  const at::Device device = out.device();
+  check_operand(op, "out", out, device);
+  check_runs(op, runs, device, pack_col::kWidth);
+  return device;
+}
+
+// The checks every unpack op makes of `shard` and `runs`; returns the device.
+at::Device check_unpack_operands(const char* op, const at::Tensor& shard, const at::Tensor& runs) {
+  TORCH_CHECK(shard.is_cuda(), "flatgrad::", op, " (CUDA): shard must be a CUDA tensor, got ", shard.device());
+  const at::Device device = shard.device();
+  check_operand(op, "shard", shard, device);
+  check_runs(op, runs, device, unpack_col::kWidth);
+  return device;
+}
+
+void pack_cuda(const c10::List<std::optional<at::Tensor>>& tensors, const at::Tensor& runs, const at::Tensor& out,
+               double scale) {
+  const char* op = "pack";
+  const at::Device device = check_pack_operands(op, out, runs);
+  const int64_t count = static_cast<int64_t>(tensors.size());
+  std::vector<int64_t> addresses(count, 0);
+  std::vector<int64_t> codes(count, kCodeNone);
+  for (int64_t i = 0; i < count; ++i) {
+    const std::optional<at::Tensor> t = tensors[i];
+    if (t.has_value()) {
+      check_operand(op, "tensors[" + std::to_string(i) + "]", *t, device);
+      addresses[i] = reinterpret_cast<int64_t>(t->data_ptr());
+      codes[i] = dtype_code(t->scalar_type());
+    }
+  }
+  if (runs.size(0) == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  at::Tensor table_storage;
+  const TensorTable table = make_table(
+      count, [&](int64_t i) { return addresses[i]; }, [&](int64_t i) { return codes[i]; }, device, table_storage);
+  launch_pack(runs, table, out, scale);
+}
+
+void pack_table_cuda(const at::Tensor& table, const at::Tensor& runs, const at::Tensor& out, double scale) {
+  const char* op = "_pack_table";
+  const at::Device device = check_pack_operands(op, out, runs);
+  const c10::cuda::CUDAGuard guard(device);
+  launch_pack(runs, device_table(op, table, device), out, scale);
 }
 
 template <typename in_t, typename out_t>
@@ -343,45 +383,30 @@ void dispatch_unpack_out(
       }));
 }
 
-at::Tensor unpack_cuda(
+// Launches the unpack of `shard` along `runs` into the tensors of `table`
+// (all of dtype out_dtype); returns the stats (or an empty tensor).
+at::Tensor launch_unpack_all(
     const at::Tensor& shard,
     const at::Tensor& runs,
-    at::TensorList outs,
+    const TensorTable& table,
+    at::ScalarType out_dtype,
     double scale,
     bool accumulate,
     bool stats) {
-  const char* op = "unpack";
-  TORCH_CHECK(shard.is_cuda(), "flatgrad::unpack (CUDA): shard must be a CUDA tensor, got ", shard.device());
-  const at::Device device = shard.device();
-  check_operand(op, "shard", shard, device);
-  check_runs(op, runs, device, unpack_col::kWidth);
-  for (size_t k = 0; k < outs.size(); ++k) {
-    check_operand(op, "outs[" + std::to_string(k) + "]", outs[k], device);
-    TORCH_CHECK(
-        outs[k].scalar_type() == outs[0].scalar_type(),
-        "flatgrad::unpack: outs[", k, "] has dtype ", outs[k].scalar_type(), ", outs[0] has ", outs[0].scalar_type(),
-        "; use one dtype");
-  }
   const int64_t num_runs = runs.size(0);
-  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(shard.device());
   if (num_runs == 0) {
     return stats ? at::zeros({2}, f32) : at::empty({0}, f32);
   }
-  TORCH_CHECK(!outs.empty(), "flatgrad::unpack: outs is empty but runs has ", num_runs, " rows");
-
-  const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor table_storage;
-  const TensorTable table = make_table(outs, device, table_storage);
   at::Tensor partials;
   at::Tensor result = at::empty({stats ? 2 : 0}, f32);
   if (stats) {
-    partials = at::empty({num_runs, 2}, at::TensorOptions().dtype(at::kDouble).device(device));
+    partials = at::empty({num_runs, 2}, at::TensorOptions().dtype(at::kDouble).device(shard.device()));
   }
   double* partial_ptr = stats ? partials.data_ptr<double>() : nullptr;
   const float scale_f = static_cast<float>(scale);
   const bool scaled = scale != 1.0;
-  const at::ScalarType out_dtype = outs[0].scalar_type();
   AT_DISPATCH_SWITCH(
       shard.scalar_type(),
       "flatgrad::unpack",
@@ -399,6 +424,51 @@ at::Tensor unpack_cuda(
   return result;
 }
 
+at::Tensor unpack_cuda(
+    const at::Tensor& shard,
+    const at::Tensor& runs,
+    at::TensorList outs,
+    double scale,
+    bool accumulate,
+    bool stats) {
+  const char* op = "unpack";
+  const at::Device device = check_unpack_operands(op, shard, runs);
+  for (size_t k = 0; k < outs.size(); ++k) {
+    check_operand(op, "outs[" + std::to_string(k) + "]", outs[k], device);
+    TORCH_CHECK(
+        outs[k].scalar_type() == outs[0].scalar_type(),
+        "flatgrad::unpack: outs[", k, "] has dtype ", outs[k].scalar_type(), ", outs[0] has ", outs[0].scalar_type(),
+        "; use one dtype");
+  }
+  TORCH_CHECK(!outs.empty() || runs.size(0) == 0, "flatgrad::unpack: outs is empty but runs has ", runs.size(0),
+              " rows");
+  const c10::cuda::CUDAGuard guard(device);
+  at::Tensor table_storage;
+  const TensorTable table = runs.size(0) == 0
+      ? TensorTable{nullptr, 0, -1}
+      : make_table(
+            static_cast<int64_t>(outs.size()),
+            [&](int64_t i) { return reinterpret_cast<int64_t>(outs[i].data_ptr()); },
+            [&](int64_t i) { return dtype_code(outs[i].scalar_type()); }, device, table_storage);
+  const at::ScalarType out_dtype = outs.empty() ? at::kFloat : outs[0].scalar_type();
+  return launch_unpack_all(shard, runs, table, out_dtype, scale, accumulate, stats);
+}
+
+at::Tensor unpack_table_cuda(
+    const at::Tensor& shard,
+    const at::Tensor& runs,
+    const at::Tensor& table,
+    at::ScalarType out_dtype,
+    double scale,
+    bool accumulate,
+    bool stats) {
+  const char* op = "_unpack_table";
+  const at::Device device = check_unpack_operands(op, shard, runs);
+  check_dtype(op, "out_dtype", out_dtype);
+  const c10::cuda::CUDAGuard guard(device);
+  return launch_unpack_all(shard, runs, device_table(op, table, device), out_dtype, scale, accumulate, stats);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace flatgrad
@@ -406,4 +476,6 @@ at::Tensor unpack_cuda(
 TORCH_LIBRARY_IMPL(flatgrad, CUDA, m) {
   m.impl("pack", &flatgrad::cuda::pack_cuda);
   m.impl("unpack", &flatgrad::cuda::unpack_cuda);
+  m.impl("_pack_table", &flatgrad::cuda::pack_table_cuda);
+  m.impl("_unpack_table", &flatgrad::cuda::unpack_table_cuda);
 }

@@ -6,13 +6,16 @@ Backends:
 * ``cuda``: compiled CUDA (``csrc/cuda/``), the same ops, one launch per call.
 * ``triton``: Triton kernels (``triton_backend.py``).
 
-The wrappers here validate arguments once, resolve the backend and dispatch;
-the backends assume valid input.
+The wrappers here validate arguments once, resolve the backend and dispatch
+through a plan (``PackPlan`` / ``UnpackPlan``, see [Note: plans] in
+``_plan.py``); the backends assume valid input.
 """
 
 from __future__ import annotations
 
-import math
+import collections
+import os
+import threading
 from typing import NamedTuple, Sequence, Union
 
 import torch
@@ -20,10 +23,13 @@ import torch
 from ..layout import Layout
 from . import reference
 from ._backends import BACKENDS, BackendStatus, available_backends, resolve_backend
+from ._plan import DTYPES, PackPlan, UnpackPlan, check_pack_tensors, check_scale, check_tensor, overlaps
 
-__all__ = ["pack", "unpack", "UnpackStats", "available_backends", "BackendStatus", "BACKENDS", "DTYPES", "DTYPE_NAMES"]
+__all__ = [
+    "pack", "unpack", "PackPlan", "UnpackPlan", "UnpackStats", "clear_plans", "available_backends", "BackendStatus",
+    "BACKENDS", "DTYPES", "DTYPE_NAMES", "resolve_backend", "reference",
+]  # fmt: skip
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # config and CLI spelling
 
 
@@ -39,39 +45,44 @@ class UnpackStats(NamedTuple):
     nonfinite: torch.Tensor
 
 
-def _check_tensor(name: str, t: object, *, device: torch.device | None = None, numel: int | None = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    if t.dtype not in DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}; supported: fp32, bf16, fp16")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
-    if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements, the layout expects {numel}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
-    return t
+# [Note: plan cache] The public pack and unpack keep the plans of their most
+# recent layouts (keyed by layout, rank, backend and FLATGRAD_BACKEND), so a
+# repeated call pays one C check of the tensors (see [Note: plans]) instead of
+# Python checks per tensor. A call the cached plan refuses (new shapes, dtypes,
+# devices, or a bad argument) takes the full checks, which raise the error or
+# replace the plan.
+_PLAN_CACHE_SIZE = 32
+_pack_plans: collections.OrderedDict[tuple, PackPlan] = collections.OrderedDict()
+_unpack_plans: collections.OrderedDict[tuple, UnpackPlan] = collections.OrderedDict()
+_plans_lock = threading.Lock()
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+def _cached(cache: collections.OrderedDict, key: tuple):
+    plan = cache.get(key)
+    if plan is not None:
+        try:
+            cache.move_to_end(key)
+        except KeyError:  # another thread evicted it meanwhile; this call still uses the plan
+            pass
+    return plan
 
 
-def _check_scale(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
+def _remember(cache: collections.OrderedDict, key: tuple, plan) -> None:
+    with _plans_lock:
+        cache[key] = plan
+        while len(cache) > _PLAN_CACHE_SIZE:
+            cache.popitem(last=False)
+
+
+def clear_plans() -> None:
+    """Drop the plans the public ``pack`` and ``unpack`` keep (tests, or to free their tables)."""
+    with _plans_lock:
+        _pack_plans.clear()
+        _unpack_plans.clear()
 
 
 def pack(
-    tensors: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor | None],
     layout: Layout,
     out: torch.Tensor | None = None,
     *,
@@ -82,43 +93,50 @@ def pack(
     """Pack ``tensors`` into one rank-aligned buffer of ``layout.numel`` elements, in one pass.
 
     Copies, casts to the comm dtype (``dtype``, or ``out``'s), multiplies by
-    ``scale`` and zeroes the padding. Returns the buffer (``out`` if given).
+    ``scale`` and zeroes the padding. A ``None`` entry is a missing tensor: its
+    range is written as zeros. Returns the buffer (``out`` if given). Repeated
+    calls reuse a cached ``PackPlan`` (see [Note: plan cache]).
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a flatgrad.Layout, got {type(layout).__name__}")
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError("tensors must be a list or tuple of tensors")
-    if len(tensors) != layout.num_tensors:
-        raise ValueError(f"got {len(tensors)} tensors, the layout has {layout.num_tensors}")
-    scale = _check_scale(scale)
-    if out is not None:
-        device = _check_tensor("out", out).device
-    elif tensors:
-        device = _check_tensor("tensors[0]", tensors[0]).device
-    else:
-        raise ValueError("pack of zero tensors needs out= (nothing gives the device)")
-    for i, (t, n) in enumerate(zip(tensors, layout.numels)):
-        _check_tensor(f"tensors[{i}]", t, device=device, numel=n)
+    key = (layout, backend, os.environ.get("FLATGRAD_BACKEND"))
+    plan = _cached(_pack_plans, key)
+    # Without out= or dtype= the buffer's dtype comes from the tensors; the plan's
+    # is theirs as long as every slot's dtype is fixed (no None in its example).
+    if plan is not None and (out is not None or dtype is not None or not plan.open_slots):
+        try:
+            return plan(tensors, out, scale=scale, dtype=dtype)
+        except (TypeError, ValueError):
+            pass  # the full checks below raise the right error, or make a plan for the new tensors
+    device = _check_pack_args(tensors, layout, out, scale, dtype)
+    plan = PackPlan(layout, tensors, dtype=dtype, device=device, backend=backend)
+    _remember(_pack_plans, key, plan)
+    return plan(tensors, out, scale=scale, dtype=dtype)
+
+
+def _check_pack_args(tensors, layout, out, scale, dtype) -> torch.device:
+    """Every check of ``pack``'s arguments, with errors naming the argument; returns the device."""
+    check_scale(scale)
+    device = None if out is None else check_tensor("out", out).device
+    device, present = check_pack_tensors(
+        layout, tensors, device, "pack of zero tensors (or only None) needs out= (nothing gives the device)"
+    )
     if out is None:
         if dtype is None:
-            dtypes = {t.dtype for t in tensors}
+            dtypes = {t.dtype for _, t in present}
             if len(dtypes) != 1:
                 raise ValueError(f"tensors have mixed dtypes {sorted(map(str, dtypes))}; pass dtype= for the buffer")
-            dtype = dtypes.pop()
-        if dtype not in DTYPES:
+        elif dtype not in DTYPES:
             raise ValueError(f"dtype must be one of fp32, bf16, fp16, got {dtype}")
-        out = torch.empty(layout.numel, dtype=dtype, device=device)
     else:
         if dtype is not None and dtype != out.dtype:
             raise ValueError(f"dtype={dtype} disagrees with out.dtype={out.dtype}")
         if out.dim() != 1 or out.numel() != layout.numel:
             raise ValueError(f"out must be 1-D with {layout.numel} elements, got shape {tuple(out.shape)}")
-        for i, t in enumerate(tensors):
-            if _overlaps(out, t):
+        for i, t in present:
+            if overlaps(out, t):
                 raise ValueError(f"out overlaps tensors[{i}]; pack cannot run in place")
-    impl = resolve_backend(backend, device)
-    impl.pack(tensors, layout, out, scale)
-    return out
+    return device
 
 
 OutArg = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -140,18 +158,43 @@ def unpack(
     ``out`` is one 1-D tensor of ``layout.shard_numel`` elements, or a list with
     one tensor per ``layout.pieces(rank)`` entry (each of that piece's length).
     With ``return_stats`` returns the sum of squares and a non-finite flag of
-    the values written, computed in the same pass.
+    the values written, computed in the same pass. Repeated calls reuse a
+    cached ``UnpackPlan`` (see [Note: plan cache]).
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a flatgrad.Layout, got {type(layout).__name__}")
     rank = layout._check_rank(rank)
-    scale = _check_scale(scale)
-    _check_tensor("shard", shard, numel=layout.shard_numel)
+    key = (layout, rank, isinstance(out, torch.Tensor), backend, os.environ.get("FLATGRAD_BACKEND"))
+    plan = _cached(_unpack_plans, key)
+    if plan is None:
+        _check_unpack_args(shard, layout, rank, out, scale)
+    else:
+        try:
+            stats = plan(shard, out, scale=scale, accumulate=bool(accumulate), return_stats=bool(return_stats))
+        except (TypeError, ValueError):
+            _check_unpack_args(shard, layout, rank, out, scale)  # raises the right error, or the plan is replaced
+            plan = None
+    if plan is None:
+        plan = UnpackPlan(layout, rank, out, backend=backend)
+        _remember(_unpack_plans, key, plan)
+        stats = plan(shard, out, scale=scale, accumulate=bool(accumulate), return_stats=bool(return_stats))
+    if not return_stats:
+        return None
+    return UnpackStats(stats[0], stats[1] > 0)
+
+
+def _check_unpack_args(shard, layout, rank, out, scale) -> None:
+    """Every check of ``unpack``'s arguments, with errors naming the argument."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a flatgrad.Layout, got {type(layout).__name__}")
+    rank = layout._check_rank(rank)
+    check_scale(scale)
+    check_tensor("shard", shard, numel=layout.shard_numel)
     if shard.dim() != 1:
         raise ValueError(f"shard must be 1-D, got shape {tuple(shard.shape)}")
     device = shard.device
     if isinstance(out, torch.Tensor):
-        _check_tensor("out", out, device=device, numel=layout.shard_numel)
+        check_tensor("out", out, device=device, numel=layout.shard_numel)
         if out.dim() != 1:
             raise ValueError(f"out must be 1-D, got shape {tuple(out.shape)}")
         outs, per_piece = [out], False
@@ -160,7 +203,7 @@ def unpack(
         if len(out) != len(pieces):
             raise ValueError(f"out has {len(out)} tensors, rank {rank} owns {len(pieces)} pieces")
         for k, (o, p) in enumerate(zip(out, pieces)):
-            _check_tensor(f"out[{k}]", o, device=device, numel=p.length)
+            check_tensor(f"out[{k}]", o, device=device, numel=p.length)
             if o.dtype != out[0].dtype:
                 raise ValueError(f"out[{k}] has dtype {o.dtype}, out[0] has {out[0].dtype}; use one dtype")
         outs, per_piece = list(out), True
@@ -169,14 +212,8 @@ def unpack(
     if per_piece:
         order = sorted(range(len(outs)), key=lambda k: (outs[k].data_ptr(), k))
         for a, b in zip(order, order[1:]):
-            if _overlaps(outs[a], outs[b]):
+            if overlaps(outs[a], outs[b]):
                 raise ValueError(f"out[{a}] and out[{b}] overlap; every piece needs its own memory")
     for k, o in enumerate(outs):
-        if _overlaps(o, shard):
+        if overlaps(o, shard):
             raise ValueError(f"out[{k}] overlaps shard; unpack cannot run in place" if per_piece else "out overlaps shard")
-    impl = resolve_backend(backend, device)
-    stats = impl.unpack(shard, layout, rank, outs, per_piece, scale, bool(accumulate), bool(return_stats))
-    if not return_stats:
-        return None
-    return UnpackStats(stats[0], stats[1] > 0)
-

@@ -3,10 +3,13 @@
 The ops are declared once in ``csrc/flatgrad.cpp`` (``TORCH_LIBRARY(flatgrad, m)``)
 with a CPU implementation there and a CUDA one in ``csrc/cuda/``:
 
-* ``flatgrad::pack(Tensor[] tensors, Tensor runs, Tensor(a!) out, float scale) -> ()``
+* ``flatgrad::pack(Tensor?[] tensors, Tensor runs, Tensor(a!) out, float scale) -> ()``
+  (a ``None`` tensor packs as zeros)
 * ``flatgrad::unpack(Tensor shard, Tensor runs, Tensor(a!)[] outs, float scale,
   bool accumulate, bool stats) -> Tensor`` (``[sum_sq, nonfinite_count]`` fp32 when
   ``stats``, else an empty tensor)
+* ``flatgrad::_pack_table`` / ``flatgrad::_unpack_table``: the same with the
+  tensors given as a plan's tensor table (see [Note: plans] in ``_plan.py``).
 
 ``runs`` is a layout's run table on the op's device (see [Note: run tables]).
 """
@@ -34,8 +37,24 @@ def _register_fakes() -> None:
     """
 
     @torch.library.register_fake("flatgrad::pack")
-    def _pack_fake(tensors: list[torch.Tensor], runs: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    def _pack_fake(tensors: list[torch.Tensor | None], runs: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         return None
+
+    @torch.library.register_fake("flatgrad::_pack_table")
+    def _pack_table_fake(table: torch.Tensor, runs: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        return None
+
+    @torch.library.register_fake("flatgrad::_unpack_table")
+    def _unpack_table_fake(
+        shard: torch.Tensor,
+        runs: torch.Tensor,
+        table: torch.Tensor,
+        out_dtype: torch.dtype,
+        scale: float,
+        accumulate: bool,
+        stats: bool,
+    ) -> torch.Tensor:
+        return shard.new_empty((2,) if stats else (0,), dtype=torch.float32)
 
     @torch.library.register_fake("flatgrad::unpack")
     def _unpack_fake(
@@ -83,7 +102,7 @@ class _CompiledBackend:
         self.name = name
         self.max_len = _MAX_LEN[name]
 
-    def pack(self, tensors: Sequence[torch.Tensor], layout: Layout, out: torch.Tensor, scale: float) -> None:
+    def pack(self, tensors: Sequence[torch.Tensor | None], layout: Layout, out: torch.Tensor, scale: float) -> None:
         runs = _tables.pack_runs(layout, out.device, self.max_len)
         torch.ops.flatgrad.pack(list(tensors), runs, out, scale)
 

@@ -34,12 +34,14 @@ def _scaled(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def pack(tensors: Sequence[torch.Tensor], layout: Layout, out: torch.Tensor, scale: float) -> None:
-    """Fill ``out`` (the whole ``layout.numel`` buffer) from ``tensors``; padding is zero."""
+def pack(tensors: Sequence[torch.Tensor | None], layout: Layout, out: torch.Tensor, scale: float) -> None:
+    """Fill ``out`` (the whole ``layout.numel`` buffer) from ``tensors``; padding and ``None`` tensors are zero."""
     out.zero_()
     s = layout.shard_numel
     for rank in range(layout.world_size):
         for p in layout.pieces(rank):
+            if tensors[p.tensor_index] is None:
+                continue
             src = tensors[p.tensor_index].reshape(-1)[p.tensor_offset : p.tensor_offset + p.length]
             begin = rank * s + p.shard_offset
             out[begin : begin + p.length] = _scaled(src, out.dtype, scale)

@@ -21,7 +21,9 @@ in one buffer, made once per distinct tuple of ``(data_ptr, dtype)`` and kept
 in a small LRU, so steady-state calls on the same gradient storage upload
 nothing; a miss costs one asynchronous host-to-device copy from pinned memory.
 Padding runs (``tensor_index == -1``, ``valid == 0``) load neither table entry
-nor data: every such load is masked off.
+nor data: every such load is masked off. A missing tensor (``None``) has
+address 0 in the table, and its runs load no data either: they are written as
+zeros, as padding is.
 
 [Note: triton casts]
 The arithmetic is the reference's (see [Note: arithmetic contract] in
@@ -118,7 +120,8 @@ def _pack_kernel(runs_ptr, src_ptrs_ptr, src_codes_ptr, out_ptr, scale, SRC_CODE
         code = tl.load(src_codes_ptr + tensor_index, mask=reads, other=0)
     else:
         code = SRC_CODE
-    in_src = offs < valid
+    copied = tl.where(src != 0, valid, 0)  # address 0: a missing tensor, written as zeros
+    in_src = offs < copied
     if code == 0:
         value = tl.load(src.to(tl.pointer_type(tl.float32)) + src_offset + offs, mask=in_src, other=0.0)
     elif code == 1:
@@ -212,10 +215,10 @@ class _PointerTables:
         self._lock = threading.Lock()
         self.uploads = 0  # tables made so far (tests check that repeated calls make none)
 
-    def get(self, tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ptrs int64 [T], codes int32 [T])`` on ``device`` for ``tensors``."""
-        ptrs = tuple(t.data_ptr() for t in tensors)
-        codes = tuple(_CODES[t.dtype] for t in tensors)
+    def get(self, tensors: Sequence[torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ptrs int64 [T], codes int32 [T])`` on ``device`` for ``tensors`` (``None``: address 0)."""
+        ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        codes = tuple(0 if t is None else _CODES[t.dtype] for t in tensors)
         # Keyed by stream too: a table uploaded on one stream is only known complete on that stream.
         stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
         key = (device, stream, ptrs, codes)
@@ -260,16 +263,16 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
-def _launch_pack(tensors: Sequence[torch.Tensor], layout: Layout, out: torch.Tensor, scale: float) -> None:
-    """Fill ``out`` from ``tensors`` in one launch (arguments validated by ``flatgrad.pack``)."""
+def _launch_pack(tensors: Sequence[torch.Tensor | None], layout: Layout, out: torch.Tensor, scale: float) -> None:
+    """Fill ``out`` from ``tensors`` (``None``: zeros) in one launch (arguments validated by ``flatgrad.pack``)."""
     device = out.device
     cfg = _config(device)
     runs = _tables.pack_runs(layout, device, cfg.block)
     if runs.shape[0] == 0:
         return
     ptrs, codes = _pointer_tables.get(tensors, device)
-    dtypes = {t.dtype for t in tensors}
-    src_code = _CODES[dtypes.pop()] if len(dtypes) == 1 else _MIXED
+    dtypes = {t.dtype for t in tensors if t is not None}
+    src_code = _CODES[dtypes.pop()] if len(dtypes) == 1 else (_CODES[out.dtype] if not dtypes else _MIXED)
     with _on_device(device):
         _pack_kernel[(runs.shape[0],)](
             runs, ptrs, codes, out, float(scale), SRC_CODE=src_code, BLOCK=cfg.block,

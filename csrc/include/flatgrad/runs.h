@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include <c10/core/ScalarType.h>
+
 namespace flatgrad {
 
 // Pack run: buffer[dst_offset, dst_offset + length) gets its first `valid`
@@ -28,5 +30,36 @@ constexpr int64_t kOutOffset = 2;
 constexpr int64_t kLength = 3;
 constexpr int64_t kWidth = 4;
 }  // namespace unpack_col
+
+// Tensor tables: int64 [T, 2] rows (address, dtype code), one per tensor of a
+// call. The CUDA ops build one per call; a PackPlan / UnpackPlan keeps one (see
+// [Note: plans] in flatgrad/kernels/_plan.py). Address 0 means "no source":
+// pack writes zeros for that tensor's whole range.
+namespace table_col {
+constexpr int64_t kAddress = 0;
+constexpr int64_t kCode = 1;
+constexpr int64_t kWidth = 2;
+}  // namespace table_col
+
+// Dtype codes of tensor tables; kNone marks a missing tensor (address 0).
+enum DtypeCode : int64_t { kCodeNone = -1, kCodeFloat = 0, kCodeBFloat16 = 1, kCodeHalf = 2 };
+
+inline int64_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return kCodeFloat;
+    case at::kBFloat16:
+      return kCodeBFloat16;
+    case at::kHalf:
+      return kCodeHalf;
+    default:
+      return kCodeNone;
+  }
+}
+
+// The dtype of a code >= 0 (kFloat for anything else; callers check codes first).
+inline at::ScalarType code_dtype(int64_t code) {
+  return code == kCodeBFloat16 ? at::kBFloat16 : (code == kCodeHalf ? at::kHalf : at::kFloat);
+}
 
 }  // namespace flatgrad
