@@ -13,8 +13,9 @@ buffers (see [Note: comm buffer pool]). Per micro-step:
 2. when it reaches zero, and every earlier bucket has been launched (see
    [Note: launch order]), the bucket waits until its comm buffer's previous
    occupant has been unpacked, one fused ``pack`` fills the buffer (cast to the
-   comm dtype, pre-scale, zero padding; a param without a gradient packs as
-   zeros), ``param.grad`` is dropped, and one async ``reduce_scatter`` starts,
+   comm dtype, pre-scale, zero padding; a param without a gradient is passed
+   as None and packs as zeros, so no zeros tensor is ever made),
+   ``param.grad`` is dropped, and one async ``reduce_scatter`` starts,
    in place: its output is this rank's own chunk of the buffer;
 3. one fused ``unpack`` casts that chunk to the shard dtype (fp32), post-scales
    it, and copies it into the bucket's ``shard`` on the first micro-step of an
@@ -61,21 +62,6 @@ boundary's backward), one arena raised the peak by most of the shards' size
 cache after the first step, with no device allocation. ``grad_shards()`` hands
 out the current window's shards; a caller that keeps one keeps its memory
 alive (a shard is dropped, never resized under a view).
-
-[Note: launch order]), one fused ``pack`` fills ``input`` (cast to the comm
-   dtype, pre-scale, zero padding), ``param.grad`` is dropped, and one async
-   ``reduce_scatter`` starts;
-3. one fused ``unpack`` casts ``output`` to fp32, post-scales it, and copies it
-   into ``shard`` on the first micro-step of an accumulation window or adds it
-   afterwards;
-4. ``finish()`` launches what is left (a param without a gradient counts as
-   zeros), waits for everything, and the shards are final for this micro-step.
-
-Nothing on this path syncs the host or rebuilds a table, and nothing allocates
-device memory: buffers, run tables, views and scales are made once here. Two
-exceptions, both off the common path: the zeros that stand in for missing
-gradients are made the first time a param goes without one, and a
-non-contiguous gradient is copied to a contiguous one before packing.
 
 [Note: launch order]
 Collectives are matched across ranks by the order they are issued in, not by
@@ -142,7 +128,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .kernels import DTYPES, resolve_backend
+from .kernels import DTYPES, PackPlan, UnpackPlan, resolve_backend
 from .layout import Layout, Piece, split_numels
 
 __all__ = ["BucketReducer", "GradShard", "LayoutMismatchError", "build_buckets"]
@@ -219,7 +205,8 @@ class _Bucket:
 
     __slots__ = (
         "id", "params", "layout", "device", "comm_dtype", "op", "method", "kernels", "pack_scale",
-        "unpack_scale", "input", "input_chunks", "output", "shard", "accumulate", "pieces", "previous",
+        "unpack_scale", "pack_plan", "unpack_plan", "input", "input_chunks", "output", "shard", "accumulate", "pieces",
+        "previous",
         "unpacked", "in_flight", "pack_stream", "unpack_stream", "ready", "not_ready", "pending", "launched",
         "work",
     )  # fmt: skip
@@ -322,7 +309,6 @@ class BucketReducer:
         self._next = 0  # the first bucket not launched yet this micro-step; see [Note: launch order]
         self._in_step = False  # some bucket was marked or launched since the last finish()
         self._inflight: deque[_Bucket] = deque()  # CPU: launched buckets not unpacked yet
-        self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # stands in for missing grads
         self._lock = threading.Lock()  # hooks of several devices run on their own autograd threads
         self._hooks: list[Any] = []
         if register_hooks:
@@ -409,6 +395,11 @@ class BucketReducer:
         b.op = plan["avg"].op
         b.method = plan["method"]
         b.kernels = plan["kernels"]
+        # One fast path for pack and unpack: the kernels' plans, validated once (see [Note: plans] in
+        # flatgrad/kernels/_plan.py). A missing gradient is passed as None and packs as zeros.
+        name = getattr(b.kernels, "name", None)
+        b.pack_plan = PackPlan(b.layout, [None] * len(b.params), dtype=b.comm_dtype, device=b.device, backend=name)
+        b.unpack_plan = None  # made with the first shard
         b.pack_scale = plan["pack_scale"]
         b.unpack_scale = plan["unpack_scale"]
         b.shard = None
@@ -478,34 +469,17 @@ class BucketReducer:
                 self._launch(buckets[self._next])
                 self._next += 1
 
-    def _grads(self, b: _Bucket) -> list[torch.Tensor]:
-        """The bucket's gradients as pack inputs: missing ones read as zeros, odd ones are checked."""
-        grads = []
+    def _grads(self, b: _Bucket) -> list[torch.Tensor | None]:
+        """The bucket's gradients as pack inputs: missing ones are None (packed as zeros), odd ones are checked."""
+        grads: list[torch.Tensor | None] = []
         for i, p in enumerate(b.params):
             g = p.grad
-            if g is None:
-                g = self._zeros_like(p, b.layout.numels[i])
-            elif not (
+            if g is not None and not (
                 g.dtype == p.dtype and g.device == b.device and g.numel() == b.layout.numels[i] and g.is_contiguous()
             ):
                 g = _conform(b, i, p, g)
             grads.append(g)
         return grads
-
-    def _zeros_like(self, p: torch.Tensor, numel: int) -> torch.Tensor:
-        """``numel`` zeros of ``p``'s dtype: a view of one zero buffer per device and dtype, made on first need.
-
-        Sized to the largest param of that device and dtype (as planned), so it is made at
-        most once, and only if some param ever goes without a gradient.
-        """
-        key = (p.device, p.dtype)
-        zeros = self._zeros.get(key)
-        if zeros is None:
-            largest = max(
-                n for b in self._buckets for q, n in zip(b.params, b.layout.numels) if (q.device, q.dtype) == key
-            )
-            zeros = self._zeros[key] = torch.zeros(largest, dtype=p.dtype, device=p.device)
-        return zeros[:numel]
 
     def _launch(self, b: _Bucket) -> None:
         """Pack, drop the grads, start the reduce_scatter (and on CUDA queue the unpack)."""
@@ -513,7 +487,7 @@ class BucketReducer:
         if b.pack_stream is None:
             if b.previous is not None and b.previous.in_flight:
                 self._drain(block=True, through=b.previous)  # its comm buffer is this bucket's
-            b.kernels.pack(grads, b.layout, b.input, b.pack_scale)
+            b.pack_plan(grads, b.input, scale=b.pack_scale)
             b.work = self._reduce_scatter(b)
             b.in_flight = True
             self._inflight.append(b)
@@ -525,9 +499,9 @@ class BucketReducer:
             if b.previous is not None:
                 b.pack_stream.wait_event(b.previous.unpacked)  # see [Note: comm buffer pool]
             with torch.cuda.stream(b.pack_stream):
-                b.kernels.pack(grads, b.layout, b.input, b.pack_scale)
-                for p, g in zip(b.params, grads):
-                    if p.grad is not None:
+                b.pack_plan(grads, b.input, scale=b.pack_scale)
+                for g in grads:
+                    if g is not None:
                         g.record_stream(b.pack_stream)
                 b.work = self._reduce_scatter(b)
             with torch.cuda.stream(b.unpack_stream):
@@ -560,7 +534,9 @@ class BucketReducer:
 
     def _unpack(self, b: _Bucket) -> None:
         self._ensure_shard(b)
-        b.kernels.unpack(b.output, b.layout, self.rank, [b.shard], False, b.unpack_scale, b.accumulate, False)
+        if b.unpack_plan is None:
+            b.unpack_plan = UnpackPlan(b.layout, self.rank, b.shard, backend=getattr(b.kernels, "name", None))
+        b.unpack_plan(b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate)
         b.accumulate = True
 
     def _drain(self, block: bool, through: _Bucket | None = None) -> None:
@@ -623,6 +599,11 @@ class BucketReducer:
                 "running (run a backward and finish() first)"
             )
         return [GradShard(b.id, b.shard, b.layout, list(b.params), list(b.pieces)) for b in self._buckets]
+
+    def plan_bytes(self) -> int:
+        """Bytes of the buckets' pack and unpack plans' tensor tables (metadata, counted in memory figures)."""
+        plans = [b.pack_plan for b in self._buckets] + [b.unpack_plan for b in self._buckets if b.unpack_plan]
+        return sum(plan.table_bytes for plan in plans)
 
     def has_shards(self) -> bool:
         """Whether any bucket holds a shard (an accumulation window is open)."""

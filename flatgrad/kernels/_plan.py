@@ -178,6 +178,12 @@ class _TensorTable:
             raise
         return bool(changed) or self._stale
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table's host, device and metadata copies."""
+        copies = [self.meta, self.host] + ([self.on_device] if self.on_device is not self.host else [])
+        return sum(t.numel() * t.element_size() for t in copies)
+
     def invalidate(self) -> None:
         """Forget the addresses, so that the next call checks and uploads afresh."""
         self.host[:, 0] = 0
@@ -255,6 +261,11 @@ class PackPlan:
     @property
     def uploads(self) -> int:
         return self._table.uploads
+
+    @property
+    def table_bytes(self) -> int:
+        """Bytes the plan's tensor table holds (host, device and metadata copies)."""
+        return self._table.nbytes
 
     def _check_out(self, out: object, dtype: torch.dtype | None) -> torch.Tensor:
         layout = self.layout
@@ -348,6 +359,11 @@ class UnpackPlan:
     @property
     def uploads(self) -> int:
         return self._table.uploads
+
+    @property
+    def table_bytes(self) -> int:
+        """Bytes the plan's tensor table holds (host, device and metadata copies)."""
+        return self._table.nbytes
 
     def __call__(
         self,
