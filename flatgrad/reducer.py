@@ -206,7 +206,7 @@ class _Bucket:
     __slots__ = (
         "id", "params", "layout", "device", "comm_dtype", "op", "method", "kernels", "pack_scale",
         "unpack_scale", "pack_plan", "unpack_plan", "input", "input_chunks", "output", "shard", "accumulate", "pieces",
-        "previous",
+        "previous", "stats",
         "unpacked", "in_flight", "pack_stream", "unpack_stream", "ready", "not_ready", "pending", "launched",
         "work",
     )  # fmt: skip
@@ -245,6 +245,10 @@ class BucketReducer:
             IPG buffer does.
         accum_dtype: dtype of the gradient shards, which accumulate micro-steps
             (fp32 by default; see [Note: shard lifetime]).
+        collect_stats: every unpack also computes, in the same pass, the sum of
+            squares and the non-finite count of the shard it wrote (the
+            accumulated values): ``shard_stats()`` returns the last ones, for the
+            gradient norm and the overflow check without reading the shards again.
 
     Attributes:
         buckets: the buckets, as lists of params in layout order.
@@ -272,6 +276,7 @@ class BucketReducer:
         method: str = "auto",
         comm_buffers: int = 2,
         accum_dtype: torch.dtype = torch.float32,
+        collect_stats: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -298,6 +303,7 @@ class BucketReducer:
         if local_error is not None:
             raise local_error
         self.accum_dtype = accum_dtype
+        self.collect_stats = bool(collect_stats)
         self._buckets = [self._bucket(i, plan) for i, plan in enumerate(plans)]
         self._pools = self._allocate_pools(comm_buffers)
         self.buckets: list[list[nn.Parameter]] = [list(b.params) for b in self._buckets]
@@ -400,6 +406,7 @@ class BucketReducer:
         name = getattr(b.kernels, "name", None)
         b.pack_plan = PackPlan(b.layout, [None] * len(b.params), dtype=b.comm_dtype, device=b.device, backend=name)
         b.unpack_plan = None  # made with the first shard
+        b.stats = None
         b.pack_scale = plan["pack_scale"]
         b.unpack_scale = plan["unpack_scale"]
         b.shard = None
@@ -536,7 +543,9 @@ class BucketReducer:
         self._ensure_shard(b)
         if b.unpack_plan is None:
             b.unpack_plan = UnpackPlan(b.layout, self.rank, b.shard, backend=getattr(b.kernels, "name", None))
-        b.unpack_plan(b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate)
+        b.stats = b.unpack_plan(
+            b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate, return_stats=self.collect_stats
+        )
         b.accumulate = True
 
     def _drain(self, block: bool, through: _Bucket | None = None) -> None:
@@ -590,6 +599,7 @@ class BucketReducer:
             raise RuntimeError("zero_grad() in the middle of a micro-step: call finish() first")
         for b in self._buckets:
             b.shard = None
+            b.stats = None
 
     def grad_shards(self) -> list[GradShard]:
         """Every bucket's shard with its layout, params and pieces (valid after ``finish()``, until ``zero_grad()``)."""
@@ -599,6 +609,18 @@ class BucketReducer:
                 "running (run a backward and finish() first)"
             )
         return [GradShard(b.id, b.shard, b.layout, list(b.params), list(b.pieces)) for b in self._buckets]
+
+    def shard_stats(self) -> list[torch.Tensor]:
+        """Per bucket, fp32 ``[sum_sq, nonfinite_count]`` of its shard as the last unpack wrote it.
+
+        Needs ``collect_stats``; valid after ``finish()``. Computed in the unpack's own
+        pass, so reading them costs no pass over the shards.
+        """
+        if not self.collect_stats:
+            raise RuntimeError("shard_stats() needs a reducer made with collect_stats=True")
+        if self._in_step or any(b.stats is None for b in self._buckets):
+            raise RuntimeError("no shard stats: a bucket was not unpacked since the last zero_grad(), or finish() is due")
+        return [b.stats for b in self._buckets]
 
     def plan_bytes(self) -> int:
         """Bytes of the buckets' pack and unpack plans' tensor tables (metadata, counted in memory figures)."""

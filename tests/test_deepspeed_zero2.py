@@ -386,6 +386,100 @@ def test_memory_between_steps_and_peak_within_the_targets_of_stock(stage, dtype)
         assert fg["peak"] <= stock["peak"] + 4 * fg["largest"] + gloo_copy + metadata, (rank, stock, fg)
 
 
+# --------------------------------------------------------------------------- step statistics
+
+
+class _PartitionReads(torch.overrides.TorchFunctionMode):
+    """Records the torch ops that read any of the given tensors' storages (a real run, only observed)."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self.ops = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = list(args) + list(kwargs.values())
+        flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
+        if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages for a in flat):
+            self.ops.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+_REDUCTIONS = ("norm", "vector_norm", "linalg_vector_norm", "isinf", "isnan", "isfinite", "sum", "abs", "max", "amax")
+
+
+def _stats_rank(rank, world_size, moe):
+    """Norms from the unpack stats against norms read from the partitions, and which ops step() runs on them."""
+    import deepspeed.comm as ds_dist
+
+    batches = make_batches(rank, 3, 4, 64 if moe else D_IN, 64 if moe else D_OUT)
+    out = {}
+    for kind in ("stock", "flatgrad"):
+        torch.manual_seed(0)
+        model = SeedMoE(hidden=64, num_experts=4, ep_size=2) if moe else MLP()
+        cfg = ds_config(2, micro_batch=4, gas=2, world_size=world_size, bucket=3000 if moe else 300, clip=0.05)
+        engine = _engine(kind, cfg, model=model)
+        norms, reads, step_calls = [], [], []
+        for k, (x, y) in enumerate(batches):
+            engine.backward(engine(x, y))
+            reduction = getattr(engine.optimizer, "_flatgrad", None)
+            if reduction is not None and engine.is_gradient_accumulation_boundary():
+                from_stats = reduction.scaled_global_norm()
+                reduction._step_stats = None
+                squared = reduction._squared_norms_from_partitions().sqrt()
+                from deepspeed.runtime.utils import combine_grad_norm_groups
+
+                if engine.optimizer.has_moe_layers:
+                    for pg, indices in reduction._moe_groups:
+                        scaled = squared[indices] / ds_dist.get_world_size(group=pg)
+                        ds_dist.all_reduce(scaled, group=pg)
+                        squared[indices] = scaled
+                from_partitions = combine_grad_norm_groups(list(squared.unbind()), norm_type=2)
+                norms.append((float(from_stats), float(from_partitions)))
+                reduction._step_stats = None
+                partitions = [p.flat_partition for p in reduction.partitions]
+                with _PartitionReads(partitions) as recorder, count_collectives() as counter:
+                    engine.step()
+                reads.append(recorder.ops)
+                step_calls.append({op: len(v) for op, v in counter.calls.items()})
+            else:
+                with count_collectives() as counter:
+                    engine.step()
+                if k % 2 == 1:
+                    step_calls.append({op: len(v) for op, v in counter.calls.items()})
+        multi_rank = 0
+        if kind == "flatgrad":
+            multi_rank = sum(len(r.buckets) for r in engine.optimizer._flatgrad.reducers if r.world_size > 1)
+        out[kind] = {
+            "norms": norms, "reads": reads, "params": params_of(engine), "step_calls": step_calls,
+            "multi_rank_sub_groups": multi_rank,
+        }  # fmt: skip
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size,moe", [(2, False), (4, False), (4, True)])
+def test_norm_and_overflow_come_from_the_unpack_with_no_pass_over_the_partitions(world_size, moe):
+    """Issue 11: the norm from the unpack stats equals the norm read from the partitions (1e-6), clipping
+    gives stock's parameters (1e-6), step() runs no reduction over the partitions, and its norm and
+    overflow collectives are no more than stock's. The parameter all_gathers are still one per
+    multi-rank sub-group (gloo cannot coalesce them; not done yet)."""
+    for rank, out in enumerate(launch(_stats_rank, world_size, moe, timeout=230)):
+        flat, stock = out["flatgrad"], out["stock"]
+        assert flat["norms"], "no boundary step was checked"
+        for from_stats, from_partitions in flat["norms"]:
+            assert abs(from_stats - from_partitions) <= 1e-6 * from_partitions, (from_stats, from_partitions)
+        for ops in flat["reads"]:
+            assert ops, "the recorder saw no op on the partitions (the optimizer must read them)"
+            assert not [op for op in ops if op in _REDUCTIONS], ops
+        assert _max_rel(stock["params"], flat["params"]) <= 1e-6
+        for mine, theirs in zip(flat["step_calls"], stock["step_calls"]):
+            others = lambda calls: sum(n for op, n in calls.items() if op != "all_gather_into_tensor")  # noqa: E731
+            assert others(mine) <= others(theirs), (mine, theirs)
+            assert mine.get("all_gather_into_tensor", 0) == flat["multi_rank_sub_groups"], mine
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

@@ -29,6 +29,21 @@ hands ``step()`` each sub-group's fp32 partition as
 the gradient norm, the overflow check and ``safe_get_full_grad`` working
 unchanged. ZeRO-1 reduces once at the boundary through the same seams.
 
+[Note: ZeRO-2 step statistics]
+Before its update, stock's ``step()`` reads every partition twice more: once
+for the overflow check (an inf/nan test per piece, then an all_reduce) and
+once for the gradient norm (a norm per piece, then an all_reduce per param
+group, and one per MoE group). flatgrad's unpack already computes, in the
+pass that writes a partition, the sum of squares and the non-finite count of
+what it wrote; the last unpack of a window writes the accumulated partition,
+so its stats are exactly what both checks need. ``has_overflow`` and
+``scaled_global_norm`` are replaced to use them: one all_reduce of
+``sub-groups + 1`` floats over the data-parallel group serves both, and MoE
+groups are then averaged over their expert group as stock does. Summation
+order differs from stock's per-piece norms (within fp32 rounding). With model
+or pipeline parallelism, where stock filters pieces by rank, the norm is read
+from the partitions as stock does.
+
 [Note: ZeRO-2 memory]
 Stock frees its IPG buffers and gradient partitions between steps, so
 flatgrad must too. The reducers' comm buffers are a pool of
@@ -387,6 +402,8 @@ class Zero2Reduction:
             indices.sort(key=completes)
 
         self.reducers: list[Any] = []
+        self._group_of: dict[tuple[int, int], int] = {}  # (reducer, bucket) -> sub-group
+        self._step_stats: torch.Tensor | None = None
         self._slot: list[tuple[Any, int]] = [None] * len(self.layouts)  # type: ignore[list-item]
         self._reducer_of: dict[int, Any] = {}
         for pg, indices in groups.values():
@@ -403,11 +420,13 @@ class Zero2Reduction:
                 register_hooks=False,
                 method=cfg.reduce_scatter,
                 comm_buffers=cfg.comm_buffers,
+                collect_stats=True,
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:
                     raise RuntimeError(f"flatgrad: the reducer's layout of sub-group {i} differs from DeepSpeed's")
                 self._slot[i] = (reducer, b)
+                self._group_of[(id(reducer), b)] = i
                 for p in o.round_robin_bit16_groups[i]:
                     self._reducer_of[id(p)] = reducer
             self.reducers.append(reducer)
@@ -496,6 +515,7 @@ class Zero2Reduction:
                 self.partitions.append(self._buffer_group(_partition_views(shard, plan), shard))
         for i, partition in enumerate(self.partitions):
             o.averaged_gradients[i] = partition
+        self._step_stats = None  # this hand-over's stats are reduced when step() first asks
         self._window_open = False
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -512,6 +532,7 @@ class Zero2Reduction:
                 if o.averaged_gradients.get(i) is partition:
                     o.averaged_gradients[i] = None
         self.partitions = None
+        self._step_stats = None
         for r in self.reducers:
             r.zero_grad()
 
@@ -581,29 +602,81 @@ class Zero2Reduction:
                 if key != "params":
                     group[key] = value
 
-    def scaled_global_norm(self, norm_type: float = 2) -> torch.Tensor:
-        """Replaces ``scaled_global_norm``: stock's gradient norm with one all_reduce for all sub-groups.
+    def _stats_usable(self) -> bool:
+        """Whether the unpack stats give stock's norm: no model parallelism, no pipe-replicated params."""
+        from deepspeed.runtime.constants import PIPE_REPLICATED
 
-        Stock reduces every param group's squared norm with a scalar all_reduce
-        (and each MoE group's again over its expert group); with bucket-sized
-        sub-groups that is one collective per sub-group per step. The same
-        per-group sums, in the same arithmetic, go into one vector all_reduce
-        here (plus one per expert group), then through stock's masking and
-        combination, so the norm (and clipping, and the overflow decision) is
-        stock's.
+        o = self.optimizer
+        if o.mpu is not None or o.model_parallel_group is not None:
+            return False
+        return not any(getattr(p, PIPE_REPLICATED, False) for g in o.bit16_groups for p in g)
+
+    def _reduced_stats(self) -> torch.Tensor:
+        """Per sub-group squared norm, then the non-finite count, summed over the ranks: one all_reduce.
+
+        The values come from the last unpack of every sub-group (the accumulated
+        partition as written, see ``BucketReducer.shard_stats``), so no partition is
+        read again; computed once per step and shared by ``has_overflow`` and
+        ``scaled_global_norm``. See [Note: ZeRO-2 step statistics].
         """
         import deepspeed.comm as dist
-        from deepspeed.runtime.constants import PIPE_REPLICATED
-        from deepspeed.runtime.utils import (
-            combine_grad_norm_groups,
-            is_model_parallel_parameter,
-            mask_nan_or_inf_with_val_inplace,
-        )
-        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        if self._step_stats is None:
+            o = self.optimizer
+            per_group: list[Any] = [None] * len(self.layouts)
+            for reducer in self.reducers:
+                for b, stats in enumerate(reducer.shard_stats()):
+                    per_group[self._group_of[(id(reducer), b)]] = stats
+            stacked = torch.stack(per_group).to(self.device)  # [G, 2]: sum_sq, nonfinite
+            total = torch.cat([stacked[:, 0], stacked[:, 1].sum().reshape(1)])
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=o.dp_process_group)
+            self._step_stats = total
+        return self._step_stats
+
+    def has_overflow(self, partition_gradients: bool = True) -> bool:
+        """Replaces ``has_overflow``: any inf/nan in any rank's partitions, from the unpack stats."""
+        if not self._stats_usable() or self.partitions is None:
+            return self._stock_has_overflow(partition_gradients)
+        return bool(self._reduced_stats()[-1].item() > 0)  # stock returns a bool too (one host sync)
+
+    def scaled_global_norm(self, norm_type: float = 2) -> torch.Tensor:
+        """Replaces ``scaled_global_norm``: stock's gradient norm from the unpack stats, one all_reduce in all.
+
+        Stock reads every partition again and reduces every param group's squared
+        norm with its own all_reduce (and each MoE group's again over its expert
+        group); with bucket-sized sub-groups that is one collective per sub-group
+        per step. Here the per-sub-group sums come from the unpack's stats, in the
+        same vector as the overflow count (see ``_reduced_stats``), then go through
+        stock's masking and combination, so clipping and the overflow decision
+        follow stock's rule. See [Note: ZeRO-2 step statistics].
+        """
+        import deepspeed.comm as dist
+        from deepspeed.runtime.utils import combine_grad_norm_groups, mask_nan_or_inf_with_val_inplace
 
         o = self.optimizer
         if norm_type != 2:
             raise ValueError(f"only the L2 gradient norm is supported, got norm_type={norm_type}")
+        if self._stats_usable() and self.partitions is not None:
+            total = self._reduced_stats()[:-1].clone()
+        else:
+            total = self._squared_norms_from_partitions()
+        total = total.pow(1.0 / 2.0)
+        mask_nan_or_inf_with_val_inplace(total, device=self.device)
+        if o.has_moe_layers:
+            for pg, indices in self._moe_groups:
+                scaled = total[indices] * 1.0 / dist.get_world_size(group=pg)
+                dist.all_reduce(scaled, group=pg)
+                total[indices] = scaled
+        return combine_grad_norm_groups(list(total.unbind()), norm_type=2)
+
+    def _squared_norms_from_partitions(self) -> torch.Tensor:
+        """Stock's per-group squared norms, read from the partitions (model or pipeline parallel runs)."""
+        import deepspeed.comm as dist
+        from deepspeed.runtime.constants import PIPE_REPLICATED
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        o = self.optimizer
         norm_dtype = get_norm_dtype()
         sums = []
         for i in range(len(o.bit16_groups)):
@@ -622,14 +695,7 @@ class Zero2Reduction:
         total = torch.stack(sums)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=o.dp_process_group)
         o._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
-        total = total.pow(1.0 / 2.0)
-        mask_nan_or_inf_with_val_inplace(total, device=self.device)
-        if o.has_moe_layers:
-            for pg, indices in self._moe_groups:
-                scaled = total[indices] * 1.0 / dist.get_world_size(group=pg)
-                dist.all_reduce(scaled, group=pg)
-                total[indices] = scaled
-        return combine_grad_norm_groups(list(total.unbind()), norm_type=2)
+        return total
 
     def load_legacy(
         self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = False
@@ -672,6 +738,8 @@ class Zero2Reduction:
         o.setup_buckets = self.setup_buckets
         o.load_hp_checkpoint_state_from_checkpoint_dir = self.load_universal
         o.scaled_global_norm = self.scaled_global_norm
+        self._stock_has_overflow = o.has_overflow
+        o.has_overflow = self.has_overflow
         o._release_ipg_buffers()
         o._flatgrad = self
 
@@ -685,6 +753,7 @@ _SEAMS = (
     "_load_legacy_checkpoint",
     "round_robin_bit16_padding",
     "scaled_global_norm",
+    "has_overflow",
     "averaged_gradients",
     "round_robin_bit16_groups",
     "params_in_partition",
