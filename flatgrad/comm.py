@@ -55,6 +55,7 @@ import torch.distributed as dist
 __all__ = [
     "Averaging",
     "METHODS",
+    "all_gather_in_place",
     "averaging",
     "avg_supported",
     "backend_name",
@@ -205,3 +206,65 @@ def reduce_scatter(
     elif not isinstance(input_chunks, list):
         input_chunks = list(input_chunks)
     return dist.reduce_scatter(output, input_chunks, op=op, group=group, async_op=async_op)
+
+
+def all_gather_in_place(
+    buffers: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None, bucket_numel: int = 2**28
+) -> int:
+    """All-gather many flat buffers in place: each is ``W`` equal chunks, and this rank's chunk is its input.
+
+    This is what a ZeRO step does with every param group's bit16 buffer after the
+    update. One call per buffer costs one collective each; here:
+
+    * NCCL: the per-buffer ``all_gather_into_tensor`` calls go out as one
+      coalesced group (``_coalescing_manager``): one launch, no copies.
+    * other backends (gloo has no coalescing): buffers are batched until a
+      batch holds ``bucket_numel`` elements; per batch this rank's chunks are
+      copied into one staging buffer of ``W * T`` elements, gathered with one
+      ``all_gather_into_tensor`` in place, and copied out into every buffer's
+      chunks. The staging buffer is freed after each batch.
+
+    Returns the number of collective calls issued. Buffers must be 1-D, of one
+    dtype and device, with numels divisible by ``W``.
+    """
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if world_size == 1 or not buffers:
+        return 0
+    for k, b in enumerate(buffers):
+        if b.dim() != 1 or b.numel() % world_size:
+            raise ValueError(f"buffers[{k}] must be 1-D with a multiple of {world_size} elements, got {tuple(b.shape)}")
+        if b.dtype != buffers[0].dtype or b.device != buffers[0].device:
+            raise ValueError(f"buffers[{k}] is {b.dtype} on {b.device}; buffers[0] is {buffers[0].dtype} on {buffers[0].device}")
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    device = buffers[0].device
+    if backend_name(group, device) == "nccl":
+        with dist._coalescing_manager(group=group, device=device, async_ops=True) as manager:
+            for b in buffers:
+                gather(b, b.chunk(world_size)[rank], group=group)
+        manager.wait()
+        return 1
+    calls = 0
+    start = 0
+    while start < len(buffers):
+        stop, total = start, 0
+        while stop < len(buffers) and (stop == start or total + buffers[stop].numel() <= bucket_numel):
+            total += buffers[stop].numel()
+            stop += 1
+        batch = buffers[start:stop]
+        chunk = total // world_size
+        staging = torch.empty(total, dtype=batch[0].dtype, device=device).view(world_size, chunk)
+        offsets = []
+        cursor = 0
+        for b in batch:
+            size = b.numel() // world_size
+            staging[rank, cursor : cursor + size].copy_(b.view(world_size, size)[rank])
+            offsets.append((cursor, size))
+            cursor += size
+        gather(staging.view(-1), staging[rank], group=group)
+        calls += 1
+        for b, (cursor, size) in zip(batch, offsets):
+            b.view(world_size, size).copy_(staging[:, cursor : cursor + size])
+        del staging
+        start = stop
+    return calls

@@ -235,6 +235,7 @@ class CollectiveCounter:
         "reduce",
         "all_gather",
         "all_gather_into_tensor",
+        "all_gather_single",
         "all_to_all_single",
         "broadcast",
         "all_reduce_coalesced",

@@ -56,9 +56,11 @@ combined scale applied to every partition as stock applies it per group, one
 ``optimizer.step()`` over sub-groups merged by equal hyperparameters, one
 multi-tensor copy into the bit16 partitions, then stock's all_gather and
 bookkeeping. The arithmetic is stock's, so training is unchanged (bitwise on
-2 ranks in fp32, tested). The parameter all_gathers are still one per
-sub-group: gloo has no coalescing, and a single all_gather over all
-sub-groups would need a copy of the whole model.
+2 ranks in fp32, tested). The parameter all_gathers of all sub-groups of a
+process group go out together (``flatgrad.comm.all_gather_in_place``): one
+coalesced NCCL group, or on gloo, which cannot coalesce, one all_gather per
+``allgather_bucket_size`` elements through a staging buffer of that size
+(stock's own bound for its all_gather shards), copied out after.
 
 [Note: ZeRO-2 memory]
 Stock frees its IPG buffers and gradient partitions between steps, so
@@ -72,7 +74,8 @@ reduces) until ``step()`` has consumed them: the step wrapper calls the
 reducers' ``zero_grad()``, which drops them. The per-piece views ``step()``
 and the norm read are rebuilt from a plan made once, per window.
 
-This module holds no kernels and no collectives: the reducer does.
+This module holds no kernels (the reducer packs and unpacks); the few collectives of
+the step go through ``flatgrad.comm`` and ``deepspeed.comm``.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ from typing import Any
 
 import torch
 
+from ... import comm
 from ...layout import Layout, split_numels
 from .config import FlatgradConfig, UnsupportedConfigError
 
@@ -554,7 +558,7 @@ class Zero2Reduction:
 
     def _step(self) -> None:
         """DeepSpeed 0.19's ZeRO-1/2 ``step()`` (no offload, no Muon: both refused), with its per-group loop merged."""
-        from deepspeed.runtime.utils import all_gather_dp_groups, is_invalid_grad_norm
+        from deepspeed.runtime.utils import is_invalid_grad_norm
         from deepspeed.runtime.zero.stage_1_and_2 import (
             INITIAL_MICRO_STEP_ID,
             OPTIMIZER_ALLGATHER_TIMER,
@@ -624,13 +628,12 @@ class Zero2Reduction:
         o.timers(OPTIMIZER_STEP_TIMER).stop()
 
         o.timers(OPTIMIZER_ALLGATHER_TIMER).start()
-        all_gather_dp_groups(
-            groups_flat=o.bit16_groups_flat,
-            partitioned_param_groups=o.parallel_partitioned_bit16_groups,
-            dp_process_group=o.real_dp_process_group,
-            start_alignment_factor=o.nccl_start_alignment_factor,
-            allgather_bucket_size=o.allgather_bucket_size,
-        )
+        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for i, flat in enumerate(o.bit16_groups_flat):
+            pg = o.real_dp_process_group[i]
+            by_group.setdefault(id(pg), (pg, []))[1].append(flat)
+        for pg, flats in by_group.values():  # see [Note: ZeRO-2 step]
+            comm.all_gather_in_place(flats, group=pg, bucket_numel=int(o.allgather_bucket_size))
         o.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
         for i in range(len(o.bit16_groups)):
             o._update_model_bit16_weights(i)
