@@ -62,19 +62,29 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     generator = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(4, width, generator=generator), torch.randn(4, width, generator=generator))
                for _ in range(job["warmup"] + job["steps"])]  # fmt: skip
+    import torch.distributed as torch_dist
+
+    # Collectives, counted once each at deepspeed.comm (DeepSpeed's) or torch.distributed (flatgrad's).
     counted: list[str] = []
-    names = ("all_reduce", "all_gather_into_tensor", "all_gather", "broadcast", "reduce_scatter", "reduce")
-    originals = {name: getattr(ds_comm, name) for name in names}
+    depth = [0]
+    names = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast",
+             "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "reduce")  # fmt: skip
+    originals = {(m, n): getattr(m, n) for m in (ds_comm, torch_dist) for n in names if hasattr(m, n)}
 
     def counting(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            counted.append(name)
-            return fn(*args, **kwargs)
+            if depth[0] == 0:
+                counted.append(name)
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
 
         return wrapper
 
-    for name, fn in originals.items():
-        setattr(ds_comm, name, counting(name, fn))
+    for (module, name), fn in originals.items():
+        setattr(module, name, counting(name, fn))
     out: dict[str, Any] = {}
     try:
         for groups in job["sub_groups"]:
@@ -117,8 +127,8 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
                 }
                 engine.destroy()
     finally:
-        for name, fn in originals.items():
-            setattr(ds_comm, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
     return out
 
 

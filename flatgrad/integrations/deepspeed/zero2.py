@@ -323,6 +323,18 @@ def _verify_layout(optimizer: Any, i: int, layout: Layout, rank: int) -> None:
             fail(f"start offset of param {pc.tensor_index} differs")
 
 
+def _same_setting(a: Any, b: Any) -> bool:
+    """Whether two param-group settings are equal; tensors count as equal only to themselves."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - settings that do not compare are kept apart
+        return False
+
+
 def _view_plan(
     layout: Layout, rank: int, params: Sequence[torch.Tensor]
 ) -> list[tuple[int, int, torch.Size | None]]:
@@ -654,19 +666,18 @@ class Zero2Reduction:
         groups = o.optimizer.param_groups
         merged: list[dict] = []
         members: list[list[dict]] = []
-        index: dict[Any, int] = {}
         for group in groups:
             settings = {k: v for k, v in group.items() if k != "params"}
-            try:
-                key = repr(sorted(settings.items(), key=lambda kv: kv[0]))
-            except Exception:  # noqa: BLE001 - an unprintable setting: keep the group on its own
-                key = id(group)
-            if key not in index:
-                index[key] = len(merged)
-                merged.append({**settings, "params": []})
-                members.append([])
-            merged[index[key]]["params"].extend(group["params"])
-            members[index[key]].append(group)
+            for candidate, subs in zip(merged, members):
+                if len(candidate) == len(settings) + 1 and all(
+                    k in candidate and _same_setting(candidate[k], v) for k, v in settings.items()
+                ):
+                    candidate["params"].extend(group["params"])
+                    subs.append(group)
+                    break
+            else:
+                merged.append({**settings, "params": list(group["params"])})
+                members.append([group])
         o.optimizer.param_groups = merged
         try:
             o.optimizer.step()
