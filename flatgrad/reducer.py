@@ -96,11 +96,11 @@ _LAYOUT_KINDS = ("flat", "chunked")
 
 
 class GradShard(NamedTuple):
-    """One bucket's fp32 gradient shard on this rank and what it holds.
+    """One bucket's gradient shard on this rank (in the reducer's ``accum_dtype``) and what it holds.
 
     Attributes:
         bucket_id: index of the bucket.
-        shard: fp32 tensor of ``layout.shard_numel`` elements (padding included).
+        shard: ``accum_dtype`` tensor of ``layout.shard_numel`` elements (padding included).
         layout: the bucket's layout.
         params: the bucket's params, in layout order.
         pieces: ``layout.pieces(rank)``: which slice of which param lies where in ``shard``.
@@ -194,6 +194,8 @@ class BucketReducer:
         register_hooks: register a post-accumulate-grad hook on every param
             that calls ``mark_ready``; ``False`` when the caller has its own hooks.
         method: reduce_scatter method (see [Note: reduce_scatter method] in ``flatgrad.comm``).
+        accum_dtype: dtype of the grad shards, in which unpack casts and accumulates
+            micro-steps (fp32, bf16 or fp16).
 
     Attributes:
         buckets: the buckets, as lists of params in layout order.
@@ -217,6 +219,7 @@ class BucketReducer:
         backend: str | None = None,
         register_hooks: bool = True,
         method: str = "auto",
+        accum_dtype: torch.dtype = torch.float32,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -230,6 +233,9 @@ class BucketReducer:
         local_error: Exception | None = None
         description: list[tuple] = []
         try:
+            if accum_dtype not in DTYPES:
+                raise ValueError(f"accum_dtype must be one of fp32, bf16, fp16, got {accum_dtype}")
+            self.accum_dtype = accum_dtype
             plans = self._plan(
                 buckets, comm_dtype, layout, align, average, prescale, postscale, backend, method, register_hooks
             )
@@ -350,7 +356,7 @@ class BucketReducer:
             b.output = b.input
         else:
             b.output = torch.empty(layout.shard_numel, dtype=b.comm_dtype, device=b.device)
-        b.shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=b.device)
+        b.shard = torch.zeros(layout.shard_numel, dtype=self.accum_dtype, device=b.device)
         b.pieces = tuple(layout.pieces(self.rank))
         b.pack_stream = b.unpack_stream = None
         if b.device.type == "cuda":

@@ -11,7 +11,7 @@ DeepSpeed then flattens each sub-group and gives every rank an equal 1/W of
 it, padded to a multiple of ``W * nccl_start_alignment_factor``: exactly
 ``Layout.flat(numels, W, align=nccl_start_alignment_factor)``. Each
 sub-group is one balanced bucket: one fused pack, one reduce_scatter, one
-fused unpack into a persistent fp32 partition. ``install`` checks the layout
+fused unpack into a persistent partition (see [Note: accumulation dtype]). ``install`` checks the layout
 against DeepSpeed's own bookkeeping (flat buffer offsets, ``partition_size``,
 ``params_in_partition``, ``first_offset``, insertion offsets) and raises on
 any difference, so a DeepSpeed change can never silently scramble gradients.
@@ -23,11 +23,24 @@ the engine's backward epilogue calls
 ``optimizer.independent_gradient_partition_epilogue()``; both are looked up
 on the instance at call time, so ``install`` replaces them there (DeepSpeed's
 DeepCompile uses the same seam). At the accumulation boundary the epilogue
-hands ``step()`` each sub-group's fp32 partition as
+hands ``step()`` each sub-group's partition as
 ``averaged_gradients[i]``, a ``GradPartitionBufferGroup`` whose
 ``flat_partition`` step() takes as it is (no copy); the per-piece views keep
 the gradient norm, the overflow check and ``safe_get_full_grad`` working
 unchanged. ZeRO-1 reduces once at the boundary through the same seams.
+
+[Note: accumulation dtype]
+One rule, DeepSpeed's own contract: micro-steps add up in DeepSpeed's gradient
+accumulation dtype (``data_types.grad_accum_dtype``; by default the model's
+dtype, so bf16 or fp16 like stock, and fp32 for fp32 models). The partition is
+allocated in that dtype and the unpack adds each reduced micro-step into it,
+rounding once per micro-step, exactly as stock adds its reduced bit16
+gradients; so flatgrad's bit16 results equal stock's. With
+``grad_accum_dtype: fp32`` the partition is fp32: 4 bytes x P/W, never a
+full-size fp32 buffer. ZeRO-1 keeps DeepSpeed's ``param.grad_accum`` (ZeRO-1
+reduces once per window); it is divided by the data-parallel size in its own
+dtype and cast to the communication dtype afterwards, as stock does, so
+loss-scaled fp16 sums do not overflow in the cast.
 
 This module holds no kernels and no collectives: the reducer does.
 """
@@ -42,6 +55,7 @@ from typing import Any
 
 import torch
 
+from ... import comm
 from ...layout import Layout, split_numels
 from .config import FlatgradConfig, UnsupportedConfigError
 
@@ -124,7 +138,7 @@ def check_supported(ds_config: Mapping[str, Any]) -> None:
     ):
         raise UnsupportedConfigError(
             "ZeRO-1 with bf16 and fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, not ZeRO "
-            "('data_types.grad_accum_dtype'); use stage 2, where flatgrad accumulates in fp32 anyway"
+            "('data_types.grad_accum_dtype'); use stage 2, whose partitions accumulate in fp32 then"
         )
     comm = ds_config.get("communication_data_type")
     if comm is not None and str(comm).lower() not in ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16"):
@@ -276,6 +290,23 @@ def _verify_layout(optimizer: Any, i: int, layout: Layout, rank: int) -> None:
             fail(f"start offset of param {pc.tensor_index} differs")
 
 
+def _agree_on_setup(group: Any, local_error: Exception | None) -> None:
+    """Raise on every rank of ``group`` if the setup failed on any (the reducer's agreement step).
+
+    A rank that raised alone would leave the others waiting forever in the
+    reducers' first collective. See [Note: layout agreement] in ``flatgrad.reducer``.
+    """
+    import torch.distributed as tdist
+
+    from ...reducer import _agree, _agreement_device
+
+    rank, world_size = tdist.get_rank(group), tdist.get_world_size(group)
+    if world_size > 1:
+        _agree(group, rank, world_size, [], local_error, _agreement_device(group))
+    if local_error is not None:
+        raise local_error
+
+
 def _partition_views(
     shard: torch.Tensor, layout: Layout, rank: int, params: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -341,15 +372,25 @@ class Zero2Reduction:
             prescale = 1.0 / pd
             postscale = pd / dp if pd != dist.get_world_size(group=o.dp_process_group) else 1.0
         comm_dtype = cfg.torch_comm_dtype() or o.communication_data_type
+        # ZeRO-1 with a wider accumulation dtype keeps DeepSpeed's param.grad_accum; it is
+        # pre-scaled in that dtype before the cast to the comm dtype, as stock does. See grad_ready.
+        self._accum_prescale = prescale if o.use_grad_accum_attribute else None
+        if o.use_grad_accum_attribute:
+            prescale = 1.0
 
         groups: dict[int, tuple[Any, list[int]]] = {}
         self.layouts: list[Layout] = []
-        for i, params in enumerate(o.round_robin_bit16_groups):
-            pg = o.real_dp_process_group[i]
-            layout = Layout.flat([p.numel() for p in params], dist.get_world_size(group=pg), align)
-            _verify_layout(o, i, layout, dist.get_rank(group=pg))
-            self.layouts.append(layout)
-            groups.setdefault(id(pg), (pg, []))[1].append(i)
+        local_error: Exception | None = None
+        try:
+            for i, params in enumerate(o.round_robin_bit16_groups):
+                pg = o.real_dp_process_group[i]
+                layout = Layout.flat([p.numel() for p in params], dist.get_world_size(group=pg), align)
+                _verify_layout(o, i, layout, dist.get_rank(group=pg))
+                self.layouts.append(layout)
+                groups.setdefault(id(pg), (pg, []))[1].append(i)
+        except Exception as exc:  # exchanged below so that every rank raises, then re-raised
+            local_error = exc
+        _agree_on_setup(o.dp_process_group, local_error)
         # A reducer launches its buckets strictly in bucket order (collectives match by issue
         # order), so order each reducer's sub-groups by when they complete in backward: when
         # their earliest-registered parameter's gradient arrives. Sub-groups of one param group
@@ -364,6 +405,8 @@ class Zero2Reduction:
             indices.sort(key=completes)
 
         self.reducers: list[Any] = []
+        self.methods: set[str] = set()
+        self.device = torch.device(get_accelerator().current_device_name())
         self._slot: list[tuple[Any, int]] = [None] * len(self.layouts)  # type: ignore[list-item]
         self._reducer_of: dict[int, Any] = {}
         for pg, indices in groups.values():
@@ -379,6 +422,7 @@ class Zero2Reduction:
                 backend=cfg.backend,
                 register_hooks=False,
                 method=cfg.reduce_scatter,
+                accum_dtype=o.gradient_accumulation_dtype,
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:
@@ -387,8 +431,9 @@ class Zero2Reduction:
                 for p in o.round_robin_bit16_groups[i]:
                     self._reducer_of[id(p)] = reducer
             self.reducers.append(reducer)
+            self.methods.add(comm.resolve_method(cfg.reduce_scatter, pg, self.device))
 
-        # The fp32 partitions step() consumes, built once: their views never change.
+        # The partitions step() consumes, built once: their views never change.
         self.partitions = []
         for i, layout in enumerate(self.layouts):
             reducer, b = self._slot[i]
@@ -397,7 +442,6 @@ class Zero2Reduction:
             self.partitions.append(GradPartitionBufferGroup(views, shard))
         self._window_open = False
         self.reductions = 0
-        self.device = torch.device(get_accelerator().current_device_name())
         # MoE sub-groups by expert group, for the norm (stock averages them over that group).
         moe: dict[int, tuple[Any, list[int]]] = {}
         for i, group in enumerate(o.optimizer.param_groups):
@@ -431,9 +475,10 @@ class Zero2Reduction:
         if not getattr(param, "ds_grad_is_ready", True):
             return
         if o.use_grad_accum_attribute and getattr(param, "grad_accum", None) is not None:
-            # ZeRO-1 with a wider accumulation dtype (fp16 params, fp32 grad_accum): the
-            # communication dtype is the narrower one anyway, as in stock.
-            param.grad = param.grad_accum.to(param.dtype)
+            # ZeRO-1 with a wider accumulation dtype (fp16 params, fp32 grad_accum): divide in
+            # that dtype, then cast to the communication dtype, as stock does; casting first
+            # would overflow loss-scaled sums above the fp16 range.
+            param.grad = param.grad_accum.mul_(self._accum_prescale).to(param.dtype)
             param.grad_accum = None
         if param.grad is None:
             return
@@ -616,6 +661,17 @@ class Zero2Reduction:
                     "with 'checkpoint.load_universal'"
                 )
         return self._stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+    def describe(self) -> str:
+        """The take-over line: stage, sub-groups, buckets, reduction method."""
+        o = self.optimizer
+        unsplit = getattr(o, "_flatgrad_origins", (len(self.layouts), None))[0]
+        return (
+            f"flatgrad: ZeRO-{2 if o.partition_gradients else 1} gradient reduction taken over: {unsplit} param group(s) "
+            f"split into {len(self.layouts)} sub-group(s) = {len(self.layouts)} bucket(s) on {len(self.reducers)} "
+            f"process group(s), per bucket one fused pack, one reduce_scatter ({', '.join(sorted(self.methods))}), "
+            f"one fused unpack into the {o.gradient_accumulation_dtype} partition"
+        )
 
     def install(self) -> None:
         o = self.optimizer
