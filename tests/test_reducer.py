@@ -104,6 +104,7 @@ _EXACT_CONFIGS = [
     dict(comm_dtype=torch.float16, average=True, layout="flat", align=1),  # 1/W folded: pre 1/p, post p/W
     dict(comm_dtype=torch.bfloat16, average=True, layout="flat", align=1, no_avg=True),  # 1/W folded into unpack
     dict(comm_dtype=torch.float32, average=False, layout="flat", align=1, prescale=2.0, postscale=0.25),
+    dict(comm_dtype=torch.bfloat16, average=False, layout="flat", align=1, accum_dtype=torch.bfloat16),
 ]
 
 
@@ -130,13 +131,14 @@ def _exact_rank(rank: int, world_size: int) -> list:
         assert not any(p is model.frozen.weight for b in reducer.buckets for p in b)
         _run_steps(model, twin, reducer, rank, 3)
         assert all(p.grad is None for p in model.parameters()), "param.grad must be freed once packed"
-        got = [gs.shard.clone() for gs in reducer.grad_shards()]
+        assert all(gs.shard.dtype == config.get("accum_dtype", torch.float32) for gs in reducer.grad_shards())
+        got = [gs.shard.to(torch.float32, copy=True) for gs in reducer.grad_shards()]
         expected = _expected_shards(reducer, twin_of, world_size, config["average"], scale)
         out.append((label + " after 3 micro-steps", got, expected))
         reducer.zero_grad()
         twin.zero_grad(set_to_none=True)
         _run_steps(model, twin, reducer, rank, 1, first_step=3)
-        got = [gs.shard.clone() for gs in reducer.grad_shards()]
+        got = [gs.shard.to(torch.float32, copy=True) for gs in reducer.grad_shards()]
         expected = _expected_shards(reducer, twin_of, world_size, config["average"], scale)
         out.append((label + " after zero_grad + 1", got, expected))
         reducer.remove_hooks()
