@@ -208,24 +208,18 @@ def reduce_scatter(
     return dist.reduce_scatter(output, input_chunks, op=op, group=group, async_op=async_op)
 
 
-def all_gather_in_place(
-    buffers: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None, bucket_numel: int = 2**28
-) -> int:
+def all_gather_in_place(buffers: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None) -> int:
     """All-gather many flat buffers in place: each is ``W`` equal chunks, and this rank's chunk is its input.
 
     This is what a ZeRO step does with every param group's bit16 buffer after the
-    update. One call per buffer costs one collective each; here:
+    update. On NCCL the per-buffer ``all_gather_into_tensor`` calls go out as one
+    coalesced group (``_coalescing_manager``): one launch, no copies. Other
+    backends (gloo has no coalescing) get one call per buffer, as stock does:
+    gathering several buffers in one call would need a staging copy as large as
+    the buffers themselves (measured: a whole model's bytes at the step's peak).
 
-    * NCCL: the per-buffer ``all_gather_into_tensor`` calls go out as one
-      coalesced group (``_coalescing_manager``): one launch, no copies.
-    * other backends (gloo has no coalescing): buffers are batched until a
-      batch holds ``bucket_numel`` elements; per batch this rank's chunks are
-      copied into one staging buffer of ``W * T`` elements, gathered with one
-      ``all_gather_into_tensor`` in place, and copied out into every buffer's
-      chunks. The staging buffer is freed after each batch.
-
-    Returns the number of collective calls issued. Buffers must be 1-D, of one
-    dtype and device, with numels divisible by ``W``.
+    Returns the number of collective launches. Buffers must be 1-D, of one dtype
+    and device, with numels divisible by ``W``.
     """
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -244,27 +238,6 @@ def all_gather_in_place(
                 gather(b, b.chunk(world_size)[rank], group=group)
         manager.wait()
         return 1
-    calls = 0
-    start = 0
-    while start < len(buffers):
-        stop, total = start, 0
-        while stop < len(buffers) and (stop == start or total + buffers[stop].numel() <= bucket_numel):
-            total += buffers[stop].numel()
-            stop += 1
-        batch = buffers[start:stop]
-        chunk = total // world_size
-        staging = torch.empty(total, dtype=batch[0].dtype, device=device).view(world_size, chunk)
-        offsets = []
-        cursor = 0
-        for b in batch:
-            size = b.numel() // world_size
-            staging[rank, cursor : cursor + size].copy_(b.view(world_size, size)[rank])
-            offsets.append((cursor, size))
-            cursor += size
-        gather(staging.view(-1), staging[rank], group=group)
-        calls += 1
-        for b, (cursor, size) in zip(batch, offsets):
-            b.view(world_size, size).copy_(staging[:, cursor : cursor + size])
-        del staging
-        start = stop
-    return calls
+    for b in buffers:
+        gather(b, b.chunk(world_size)[rank], group=group)
+    return len(buffers)

@@ -106,6 +106,7 @@ _EXACT_CONFIGS = [
     dict(comm_dtype=torch.float32, average=False, layout="flat", align=1, prescale=2.0, postscale=0.25),
     dict(comm_dtype=torch.float32, average=True, layout="flat", align=1, comm_buffers=1),  # pack waits for unpack
     dict(comm_dtype=torch.bfloat16, average=True, layout="chunked", align=1, comm_buffers=3),
+    dict(comm_dtype=torch.bfloat16, average=False, layout="flat", align=1, accum_dtype=torch.bfloat16),
 ]
 
 
@@ -132,13 +133,14 @@ def _exact_rank(rank: int, world_size: int) -> list:
         assert not any(p is model.frozen.weight for b in reducer.buckets for p in b)
         _run_steps(model, twin, reducer, rank, 3)
         assert all(p.grad is None for p in model.parameters()), "param.grad must be freed once packed"
-        got = [gs.shard.clone() for gs in reducer.grad_shards()]
+        assert all(gs.shard.dtype == config.get("accum_dtype", torch.float32) for gs in reducer.grad_shards())
+        got = [gs.shard.to(torch.float32, copy=True) for gs in reducer.grad_shards()]
         expected = _expected_shards(reducer, twin_of, world_size, config["average"], scale)
         out.append((label + " after 3 micro-steps", got, expected))
         reducer.zero_grad()
         twin.zero_grad(set_to_none=True)
         _run_steps(model, twin, reducer, rank, 1, first_step=3)
-        got = [gs.shard.clone() for gs in reducer.grad_shards()]
+        got = [gs.shard.to(torch.float32, copy=True) for gs in reducer.grad_shards()]
         expected = _expected_shards(reducer, twin_of, world_size, config["average"], scale)
         out.append((label + " after zero_grad + 1", got, expected))
         reducer.remove_hooks()

@@ -178,6 +178,13 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     )
 
 
+def _announce(message: str) -> None:
+    """One line on rank 0 through DeepSpeed's own logger, visible as DeepSpeed's INFO lines are."""
+    from deepspeed.utils import log_dist
+
+    log_dist(message, ranks=[0])
+
+
 def run(p: Plan) -> tuple:
     """Execute a plan: call DeepSpeed, with flatgrad's reduce path on the flatgrad routes."""
     original = _original_initialize()
@@ -189,13 +196,13 @@ def run(p: Plan) -> tuple:
 
         with zero2.prepare(p.cfg):
             result = original(**p.arguments)
-        zero2.install(result[0], p.cfg)
+        _announce(zero2.install(result[0], p.cfg).describe())
         return result
     if p.route == "zero3":
         from .zero3 import install as zero3_install
 
         result = original(**p.arguments)
-        zero3_install(result[0], p.cfg)
+        _announce(zero3_install(result[0], p.cfg).describe())
         return result
     raise ValueError(f"unknown route {p.route!r}")
 

@@ -11,7 +11,8 @@ DeepSpeed then flattens each sub-group and gives every rank an equal 1/W of
 it, padded to a multiple of ``W * nccl_start_alignment_factor``: exactly
 ``Layout.flat(numels, W, align=nccl_start_alignment_factor)``. Each
 sub-group is one balanced bucket: one fused pack, one reduce_scatter, one
-fused unpack into an fp32 partition. ``install`` checks the layout
+fused unpack into a partition in DeepSpeed's accumulation dtype (see [Note: accumulation dtype]).
+``install`` checks the layout
 against DeepSpeed's own bookkeeping (flat buffer offsets, ``partition_size``,
 ``params_in_partition``, ``first_offset``, insertion offsets) and raises on
 any difference, so a DeepSpeed change can never silently scramble gradients.
@@ -23,11 +24,24 @@ the engine's backward epilogue calls
 ``optimizer.independent_gradient_partition_epilogue()``; both are looked up
 on the instance at call time, so ``install`` replaces them there (DeepSpeed's
 DeepCompile uses the same seam). At the accumulation boundary the epilogue
-hands ``step()`` each sub-group's fp32 partition as
+hands ``step()`` each sub-group's partition as
 ``averaged_gradients[i]``, a ``GradPartitionBufferGroup`` whose
 ``flat_partition`` step() takes as it is (no copy); the per-piece views keep
 the gradient norm, the overflow check and ``safe_get_full_grad`` working
 unchanged. ZeRO-1 reduces once at the boundary through the same seams.
+
+[Note: accumulation dtype]
+One rule, DeepSpeed's own contract: micro-steps add up in DeepSpeed's gradient
+accumulation dtype (``data_types.grad_accum_dtype``; by default the model's
+dtype, so bf16 or fp16 like stock, and fp32 for fp32 models). The partition is
+allocated in that dtype and the unpack adds each reduced micro-step into it,
+rounding once per micro-step, exactly as stock adds its reduced bit16
+gradients; so flatgrad's bit16 results equal stock's. With
+``grad_accum_dtype: fp32`` the partition is fp32: 4 bytes x P/W, never a
+full-size fp32 buffer. ZeRO-1 keeps DeepSpeed's ``param.grad_accum`` (ZeRO-1
+reduces once per window); it is divided by the data-parallel size in its own
+dtype and cast to the communication dtype afterwards, as stock does, so
+loss-scaled fp16 sums do not overflow in the cast.
 
 [Note: ZeRO-2 step statistics]
 Before its update, stock's ``step()`` reads every partition twice more: once
@@ -57,10 +71,10 @@ combined scale applied to every partition as stock applies it per group, one
 multi-tensor copy into the bit16 partitions, then stock's all_gather and
 bookkeeping. The arithmetic is stock's, so training is unchanged (bitwise on
 2 ranks in fp32, tested). The parameter all_gathers of all sub-groups of a
-process group go out together (``flatgrad.comm.all_gather_in_place``): one
-coalesced NCCL group, or on gloo, which cannot coalesce, one all_gather per
-``allgather_bucket_size`` elements through a staging buffer of that size
-(stock's own bound for its all_gather shards), copied out after.
+process group go out as one coalesced NCCL group
+(``flatgrad.comm.all_gather_in_place``). gloo cannot coalesce, so on CPU they
+stay one per sub-group: one call over several sub-groups would need a staging
+copy of all their bytes (tried: a whole model's bytes at the step's peak).
 
 [Note: ZeRO-2 memory]
 Stock frees its IPG buffers and gradient partitions between steps, so
@@ -68,7 +82,7 @@ flatgrad must too. The reducers' comm buffers are a pool of
 ``comm_buffers`` (default 2) buffers of the largest sub-group, shared by all
 sub-groups, with the reduce_scatter in place (see [Note: comm buffer pool] in
 ``flatgrad/reducer.py``): between steps that is all flatgrad holds, against
-stock's double IPG buffer. The fp32 partitions exist from the first
+stock's double IPG buffer. The partitions exist from the first
 micro-step of an accumulation window (ZeRO-1: from the boundary, where it
 reduces) until ``step()`` has consumed them: the step wrapper calls the
 reducers' ``zero_grad()``, which drops them. The per-piece views ``step()``
@@ -171,7 +185,7 @@ def check_supported(ds_config: Mapping[str, Any]) -> None:
     ):
         raise UnsupportedConfigError(
             "ZeRO-1 with bf16 and fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, not ZeRO "
-            "('data_types.grad_accum_dtype'); use stage 2, where flatgrad accumulates in fp32 anyway"
+            "('data_types.grad_accum_dtype'); use stage 2, whose partitions accumulate in fp32 then"
         )
     comm = ds_config.get("communication_data_type")
     if comm is not None and str(comm).lower() not in ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16"):
@@ -323,6 +337,23 @@ def _verify_layout(optimizer: Any, i: int, layout: Layout, rank: int) -> None:
             fail(f"start offset of param {pc.tensor_index} differs")
 
 
+def _agree_on_setup(group: Any, local_error: Exception | None) -> None:
+    """Raise on every rank of ``group`` if the setup failed on any (the reducer's agreement step).
+
+    A rank that raised alone would leave the others waiting forever in the
+    reducers' first collective. See [Note: layout agreement] in ``flatgrad.reducer``.
+    """
+    import torch.distributed as tdist
+
+    from ...reducer import _agree, _agreement_device
+
+    rank, world_size = tdist.get_rank(group), tdist.get_world_size(group)
+    if world_size > 1:
+        _agree(group, rank, world_size, [], local_error, _agreement_device(group))
+    if local_error is not None:
+        raise local_error
+
+
 def _same_setting(a: Any, b: Any) -> bool:
     """Whether two param-group settings are equal; tensors count as equal only to themselves."""
     if a is b:
@@ -411,15 +442,25 @@ class Zero2Reduction:
             prescale = 1.0 / pd
             postscale = pd / dp if pd != dist.get_world_size(group=o.dp_process_group) else 1.0
         comm_dtype = cfg.torch_comm_dtype() or o.communication_data_type
+        # ZeRO-1 with a wider accumulation dtype keeps DeepSpeed's param.grad_accum; it is
+        # pre-scaled in that dtype before the cast to the comm dtype, as stock does. See grad_ready.
+        self._accum_prescale = prescale if o.use_grad_accum_attribute else None
+        if o.use_grad_accum_attribute:
+            prescale = 1.0
 
         groups: dict[int, tuple[Any, list[int]]] = {}
         self.layouts: list[Layout] = []
-        for i, params in enumerate(o.round_robin_bit16_groups):
-            pg = o.real_dp_process_group[i]
-            layout = Layout.flat([p.numel() for p in params], dist.get_world_size(group=pg), align)
-            _verify_layout(o, i, layout, dist.get_rank(group=pg))
-            self.layouts.append(layout)
-            groups.setdefault(id(pg), (pg, []))[1].append(i)
+        local_error: Exception | None = None
+        try:
+            for i, params in enumerate(o.round_robin_bit16_groups):
+                pg = o.real_dp_process_group[i]
+                layout = Layout.flat([p.numel() for p in params], dist.get_world_size(group=pg), align)
+                _verify_layout(o, i, layout, dist.get_rank(group=pg))
+                self.layouts.append(layout)
+                groups.setdefault(id(pg), (pg, []))[1].append(i)
+        except Exception as exc:  # exchanged below so that every rank raises, then re-raised
+            local_error = exc
+        _agree_on_setup(o.dp_process_group, local_error)
         # A reducer launches its buckets strictly in bucket order (collectives match by issue
         # order), so order each reducer's sub-groups by when they complete in backward: when
         # their earliest-registered parameter's gradient arrives. Sub-groups of one param group
@@ -436,6 +477,8 @@ class Zero2Reduction:
         self.reducers: list[Any] = []
         self._group_of: dict[tuple[int, int], int] = {}  # (reducer, bucket) -> sub-group
         self._step_stats: torch.Tensor | None = None
+        self.methods: set[str] = set()
+        self.device = torch.device(get_accelerator().current_device_name())
         self._slot: list[tuple[Any, int]] = [None] * len(self.layouts)  # type: ignore[list-item]
         self._reducer_of: dict[int, Any] = {}
         for pg, indices in groups.values():
@@ -453,6 +496,7 @@ class Zero2Reduction:
                 method=cfg.reduce_scatter,
                 comm_buffers=cfg.comm_buffers,
                 collect_stats=True,
+                accum_dtype=o.gradient_accumulation_dtype,
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:
@@ -462,6 +506,7 @@ class Zero2Reduction:
                 for p in o.round_robin_bit16_groups[i]:
                     self._reducer_of[id(p)] = reducer
             self.reducers.append(reducer)
+            self.methods.add(comm.resolve_method(cfg.reduce_scatter, pg, self.device))
 
         # How step()'s per-piece views lie in each sub-group's partition, planned once; the
         # partitions themselves live for one accumulation window. See [Note: ZeRO-2 memory].
@@ -473,7 +518,6 @@ class Zero2Reduction:
         self.partitions: list[Any] | None = None
         self._window_open = False
         self.reductions = 0
-        self.device = torch.device(get_accelerator().current_device_name())
         # MoE sub-groups by expert group, for the norm (stock averages them over that group).
         moe: dict[int, tuple[Any, list[int]]] = {}
         for i, group in enumerate(o.optimizer.param_groups):
@@ -502,9 +546,10 @@ class Zero2Reduction:
         if not getattr(param, "ds_grad_is_ready", True):
             return
         if o.use_grad_accum_attribute and getattr(param, "grad_accum", None) is not None:
-            # ZeRO-1 with a wider accumulation dtype (fp16 params, fp32 grad_accum): the
-            # communication dtype is the narrower one anyway, as in stock.
-            param.grad = param.grad_accum.to(param.dtype)
+            # ZeRO-1 with a wider accumulation dtype (fp16 params, fp32 grad_accum): divide in
+            # that dtype, then cast to the communication dtype, as stock does; casting first
+            # would overflow loss-scaled sums above the fp16 range.
+            param.grad = param.grad_accum.mul_(self._accum_prescale).to(param.dtype)
             param.grad_accum = None
         if param.grad is None:
             return
@@ -645,7 +690,7 @@ class Zero2Reduction:
             pg = o.real_dp_process_group[i]
             by_group.setdefault(id(pg), (pg, []))[1].append(flat)
         for pg, flats in by_group.values():  # see [Note: ZeRO-2 step]
-            comm.all_gather_in_place(flats, group=pg, bucket_numel=int(o.allgather_bucket_size))
+            comm.all_gather_in_place(flats, group=pg)
         o.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
         for i in range(len(o.bit16_groups)):
             o._update_model_bit16_weights(i)
@@ -891,6 +936,17 @@ class Zero2Reduction:
                     "with 'checkpoint.load_universal'"
                 )
         return self._stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+    def describe(self) -> str:
+        """The take-over line: stage, sub-groups, buckets, reduction method."""
+        o = self.optimizer
+        unsplit = getattr(o, "_flatgrad_origins", (len(self.layouts), None))[0]
+        return (
+            f"flatgrad: ZeRO-{2 if o.partition_gradients else 1} gradient reduction taken over: {unsplit} param group(s) "
+            f"split into {len(self.layouts)} sub-group(s) = {len(self.layouts)} bucket(s) on {len(self.reducers)} "
+            f"process group(s), per bucket one fused pack, one reduce_scatter ({', '.join(sorted(self.methods))}), "
+            f"one fused unpack into the {o.gradient_accumulation_dtype} partition"
+        )
 
     def install(self) -> None:
         o = self.optimizer

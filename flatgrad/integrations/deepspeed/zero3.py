@@ -152,6 +152,15 @@ class Zero3Reducer:
         self._method = "tensor" if config.reduce_scatter == "auto" else config.reduce_scatter
         self._outs: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
 
+    def describe(self) -> str:
+        """The take-over line: stage, sub-groups, buckets, reduction method."""
+        opt = self.optimizer
+        return (
+            f"flatgrad: ZeRO-3 gradient reduction taken over: {len(opt.fp16_groups)} sub-group(s), DeepSpeed's IPG "
+            f"buckets of {opt.reduce_bucket_size} elements, per bucket one fused pack, one reduce_scatter "
+            f"({self._method}), one fused unpack into the {opt.gradient_accumulation_dtype} grad partitions"
+        )
+
     # -- the two seams ------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -328,7 +337,7 @@ def _resize_ipg_buffers(opt: Any, cfg: FlatgradConfig) -> None:
             bucket.buffer = torch.empty(want[0], dtype=want[1], device=buffer.device)
 
 
-def install(engine: Any, cfg: FlatgradConfig) -> None:
+def install(engine: Any, cfg: FlatgradConfig) -> "Zero3Reducer | None":
     """Install flatgrad's reduce path into ``engine``'s ZeRO-3 optimizer (nothing when disabled).
 
     Call after ``deepspeed.initialize`` and before the first backward. The two
@@ -378,3 +387,4 @@ def install(engine: Any, cfg: FlatgradConfig) -> None:
     setattr(opt, _ADD_GRAD, reducer.add_grad_to_ipg_bucket)
     setattr(opt, _REDUCE, reducer.reduce_and_partition_ipg_grads)
     setattr(opt, _ATTR, reducer)
+    return reducer
