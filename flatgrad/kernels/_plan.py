@@ -212,7 +212,22 @@ def _resolve(backend: str | None, device: torch.device) -> tuple[object, str]:
     return impl, impl.name
 
 
-class PackPlan:
+class _Plan:
+    """What pack and unpack plans share: the tensor table and its counters."""
+
+    _table: _TensorTable
+
+    @property
+    def uploads(self) -> int:
+        return self._table.uploads
+
+    @property
+    def table_bytes(self) -> int:
+        """Bytes the plan's tensor table holds (host, device and metadata copies)."""
+        return self._table.nbytes
+
+
+class PackPlan(_Plan):
     """``flatgrad.pack`` for one layout and one list of tensor shapes: validated once, called every step.
 
     ``plan(tensors, out)`` packs as ``flatgrad.pack(tensors, layout, out)`` does,
@@ -258,15 +273,6 @@ class PackPlan:
             self._runs = _tables.pack_runs(layout, device, self._impl.max_len)
             self._op = torch.ops.flatgrad._pack_table.default
 
-    @property
-    def uploads(self) -> int:
-        return self._table.uploads
-
-    @property
-    def table_bytes(self) -> int:
-        """Bytes the plan's tensor table holds (host, device and metadata copies)."""
-        return self._table.nbytes
-
     def _check_out(self, out: object, dtype: torch.dtype | None) -> torch.Tensor:
         layout = self.layout
         if out is None:
@@ -307,7 +313,7 @@ class PackPlan:
 OutArg = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
-class UnpackPlan:
+class UnpackPlan(_Plan):
     """``flatgrad.unpack`` for one layout, rank and form of ``out``: validated once, called every step.
 
     ``plan(shard, out)`` unpacks as ``flatgrad.unpack(shard, layout, rank, out)``
@@ -355,15 +361,6 @@ class UnpackPlan:
         if self.backend in _COMPILED:
             self._runs = _tables.unpack_runs(layout, rank, per_piece, device, self._impl.max_len)
             self._op = torch.ops.flatgrad._unpack_table.default
-
-    @property
-    def uploads(self) -> int:
-        return self._table.uploads
-
-    @property
-    def table_bytes(self) -> int:
-        """Bytes the plan's tensor table holds (host, device and metadata copies)."""
-        return self._table.nbytes
 
     def __call__(
         self,
