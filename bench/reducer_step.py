@@ -33,6 +33,14 @@ core, so it holds up on a loaded machine where wall time does not. A step's
 ``total`` is the slowest rank's, its ``own`` the mean over ranks. Ratios are taken step by step, then summarized by
 median and min over steps.
 
+[Note: reducer memory]
+Memory per method, counted by flatgrad's counting CPU allocator
+(``flatgrad.bench.memory_census``): ``peak`` is the most tensor memory live
+during a method's backward + reduction above what was live before it (the
+gradients, the buffers it touches, gloo's scratch), median over steps;
+``held`` is what its buffers take between steps (flatgrad: the comm buffer
+pool; the baselines here keep one buffer per bucket, as written).
+
 Bytes sent per rank are modelled for bandwidth-optimal algorithms (ring): a
 reduce_scatter of N elements sends (W-1)/W N, an all_reduce 2 (W-1)/W N, a
 reduce of n elements about n (reduce-scatter, then a gather to the root).
@@ -61,7 +69,7 @@ from torch import nn
 
 import flatgrad
 from flatgrad import comm
-from flatgrad.kernels import resolve_backend
+from flatgrad.bench.memory_census import MemoryCensus
 from flatgrad.reducer import BucketReducer, build_buckets
 
 METHODS = ("backward", "flatgrad", "ddp_allreduce", "zero2_reduce")
@@ -171,25 +179,22 @@ def _time_collectives(clock: _Clock) -> None:
         setattr(dist, name, timed)
 
 
-def _time_kernels(kernels: Any, clock: _Clock) -> None:
-    """Count the CPU time of a flatgrad kernel backend's ``pack`` and ``unpack`` on ``clock``."""
-    pack, unpack = kernels.pack, kernels.unpack
+def _time_plans(reducer: BucketReducer, clock: _Clock) -> None:
+    """Count the CPU time of every bucket's pack and unpack plan on ``clock`` (the plans exist after one step)."""
 
-    def timed_pack(*args: Any) -> Any:
-        start = time.thread_time()
-        try:
-            return pack(*args)
-        finally:
-            clock.pack_cpu += time.thread_time() - start
+    def timed(plan: Any, field: str) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return plan(*args, **kwargs)
+            finally:
+                setattr(clock, field, getattr(clock, field) + time.thread_time() - start)
 
-    def timed_unpack(*args: Any) -> Any:
-        start = time.thread_time()
-        try:
-            return unpack(*args)
-        finally:
-            clock.unpack_cpu += time.thread_time() - start
+        return call
 
-    kernels.pack, kernels.unpack = timed_pack, timed_unpack
+    for b in reducer._buckets:
+        b.pack_plan = timed(b.pack_plan, "pack_cpu")
+        b.unpack_plan = timed(b.unpack_plan, "unpack_cpu")
 
 
 # --------------------------------------------------------------------------- the methods
@@ -210,6 +215,10 @@ class _Method:
         """Untimed cleanup between steps."""
         for p in params:
             p.grad = None
+
+    def held_bytes(self) -> int:
+        """Bytes of the buffers the method keeps between steps."""
+        return 0
 
 
 class _Backward(_Method):
@@ -235,6 +244,9 @@ class _Flatgrad(_Method):
     def after_step(self, params: list[nn.Parameter]) -> None:
         self.reducer.zero_grad()
         super().after_step(params)
+
+    def held_bytes(self) -> int:
+        return self.reducer.comm_buffer_bytes
 
 
 class _InOrderBuckets(_Method):
@@ -276,6 +288,9 @@ class _DDPAllReduce(_InOrderBuckets):
                 self.views[p] = self.flat[b][offset : offset + p.numel()]
                 offset += p.numel()
 
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.flat)
+
     def on_grad(self, p: nn.Parameter) -> None:
         torch.mul(p.grad.view(-1), self.factor, out=self.views[p])  # DDP's fused divide-and-copy
         self._bucket_done(self.where[p][0])
@@ -302,7 +317,7 @@ class _Zero2Reduce(_InOrderBuckets):
         self.rank, self.world_size = rank, world_size
         total = sum(p.numel() for b in buckets for p in b)
         self.partition_numel = math.ceil(total / world_size)
-        self.partition = torch.zeros(self.partition_numel)  # this rank's fp32 gradient partition
+        self.partition = torch.zeros(self.partition_numel)  # this rank's fp32 gradient partition (kept, as stock's)
         self.flat = [torch.empty(sum(p.numel() for p in b)) for b in buckets]
         self.views = {}
         # Per bucket, the rank-runs (dst, bucket offset, length, partition offset) of the global partitioning.
@@ -322,6 +337,9 @@ class _Zero2Reduce(_InOrderBuckets):
             self.runs.append(runs)
             start = end
         self.first_micro_step = True
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.flat) + self.partition.numel() * 4
 
     def on_grad(self, p: nn.Parameter) -> None:
         self.views[p].copy_(p.grad.view(-1))  # into the IPG bucket
@@ -401,8 +419,6 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     _time_collectives(clock)
 
     flat = _Flatgrad(buckets)
-    for name in sorted(set(flat.reducer.kernel_backends)):
-        _time_kernels(resolve_backend(name, torch.device("cpu")), clock)  # the objects the reducer calls
     ddp = _DDPAllReduce(buckets, world_size)
     zero2 = _Zero2Reduce(buckets, rank, world_size)
     methods: list[_Method] = [_Backward(), flat, ddp, zero2]
@@ -418,7 +434,9 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         p.register_post_accumulate_grad_hook(hook)
 
     gen = torch.Generator().manual_seed(1 + rank)
-    fields = ("total", "own", "own_cpu", "comm", "calls", "pack_cpu", "unpack_cpu")
+    fields = ("total", "own", "own_cpu", "comm", "calls", "pack_cpu", "unpack_cpu", "peak_bytes", "held_bytes")
+    census = MemoryCensus("cpu")  # see [Note: reducer memory]
+    census.__enter__()
     records: dict[str, dict[str, list[float]]] = {m.name: {f: [] for f in fields} for m in methods}
     for step in range(args.warmup + args.steps):
         idx = torch.randint(0, size["vocab"], (batch, size["seq"]), generator=gen)
@@ -432,16 +450,20 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                     p.grad = None
             check = _check_flatgrad_against_ddp(flat, ddp)
             flat.after_step(params)
+            _time_plans(flat.reducer, clock)  # the plans the reducer made in this first step
         order = methods[step % len(methods) :] + methods[: step % len(methods)]  # turns: no method always first
         for k, method in enumerate(order):
             active[0] = method
             dist.barrier()
             clock.reset()
+            census.reset_peak()
+            before = census.now()[0]
             start = time.perf_counter()
             loss.backward(retain_graph=k < len(order) - 1)
             middle, middle_cpu = _now()
             method.finish()
             end, end_cpu = _now()
+            peak = census.now()[1] - before
             if step >= args.warmup:
                 rec = records[method.name]
                 rec["total"].append(end - start)
@@ -451,6 +473,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 rec["pack_cpu"].append(clock.pack_cpu)
                 rec["unpack_cpu"].append(clock.unpack_cpu)
                 rec["calls"].append(clock.calls)
+                rec["peak_bytes"].append(peak)
+                rec["held_bytes"].append(method.held_bytes())
             method.after_step(params)
         del loss
     largest = max(sum(p.numel() for p in b) for b in buckets)
@@ -519,6 +543,9 @@ def _summary(run: dict, world_size: int) -> dict:
             "collective_ms_median": 1e3 * statistics.median(s["comm"]),
             "collective_calls_per_step": calls[name],
             "bytes_sent_per_rank_modeled": modeled_bytes[name],
+            "peak_mb_median": statistics.median(max(r[name]["peak_bytes"][i] for r in records) for i in range(steps))
+            / 1e6,
+            "held_mb": max(max(r[name]["held_bytes"]) for r in records) / 1e6,
         }
     ratios = {}
     for base in ("ddp_allreduce", "zero2_reduce"):
@@ -546,7 +573,7 @@ def _print(result: dict) -> None:
     print(f"# check: flatgrad shards vs DDP all_reduce, max abs diff {result['check_max_abs_diff_vs_ddp']:.3g}")
     head = (
         f"{'method':<14} {'total ms med/min':>18} {'own ms med/min':>16} {'own cpu ms med/min':>19} "
-        f"{'coll ms':>9} {'calls':>6} {'MB sent/rank':>13}"
+        f"{'coll ms':>9} {'calls':>6} {'MB sent/rank':>13} {'peak MB':>8} {'held MB':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -555,8 +582,13 @@ def _print(result: dict) -> None:
             f"{name:<14} {row['total_ms_median']:>9.1f}/{row['total_ms_min']:<8.1f} "
             f"{row['own_ms_median']:>7.1f}/{row['own_ms_min']:<8.1f} "
             f"{row['own_cpu_ms_median']:>10.1f}/{row['own_cpu_ms_min']:<8.1f} {row['collective_ms_median']:>9.1f} "
-            f"{row['collective_calls_per_step']:>6} {row['bytes_sent_per_rank_modeled'] / 1e6:>13.1f}"
+            f"{row['collective_calls_per_step']:>6} {row['bytes_sent_per_rank_modeled'] / 1e6:>13.1f} "
+            f"{row['peak_mb_median']:>8.1f} {row['held_mb']:>8.1f}"
         )
+    print(
+        "peak MB: the most tensor memory the method added during backward + reduction above what was live "
+        "before it (median over steps); held MB: its buffers kept between steps"
+    )
     f = s["table"]["flatgrad"]
     rest = f["own_cpu_ms_median"] - f["pack_cpu_ms_median"] - f["unpack_cpu_ms_median"]
     print(
