@@ -403,6 +403,9 @@ class Zero2Reduction:
                 register_hooks=False,
                 method=cfg.reduce_scatter,
                 comm_buffers=cfg.comm_buffers,
+                reduction=cfg.reduction,
+                block=cfg.block,
+                error_feedback=cfg.error_feedback,
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:
