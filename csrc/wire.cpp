@@ -15,10 +15,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,14 +37,17 @@ using wire::segment_bytes;
 constexpr int64_t kTile = 1024;
 constexpr int64_t kGrain = 32768;
 
-// float of every fp8 e4m3fn byte: a table lookup vectorises, c10's bit conversion does not.
-const std::array<float, 256>& fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
-    return t;
-  }();
-  return table;
+// float of an fp8 e4m3fn byte, exactly, in branch-free integer operations (c10's conversion
+// does not vectorise, nor does a 256-entry table gather: 0.23x of the copy roofline with the
+// table). Normal: the exponent rebiased (+120) and the 3 mantissa bits moved into place;
+// subnormal (e == 0): m * 2**-9; 0x7F / 0xFF: NaN.
+inline float fp8_to_float(uint8_t b) {
+  const uint32_t magnitude = b & 0x7Fu;
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t normal = sign | ((magnitude << 20) + (120u << 23));
+  const uint32_t subnormal = sign | c10::bit_cast<uint32_t>(static_cast<float>(magnitude) * 0x1p-9f);
+  const uint32_t bits = magnitude < 8 ? subnormal : (magnitude == 0x7F ? 0x7FC00000u : normal);
+  return c10::bit_cast<float>(bits);
 }
 
 template <typename out_t>
@@ -160,7 +163,6 @@ template <typename out_t>
 void dequantize_sum_typed(const uint8_t* in, int64_t world_size, int64_t s, int64_t block, int64_t kind, out_t* dst,
                           float fscale, bool accumulate) {
   const int64_t nb = nblocks(s, block), seg = segment_bytes(s, block);
-  const float* table = fp8_table().data();
   at::parallel_for(0, nb, std::max<int64_t>(1, kGrain / block), [&](int64_t begin, int64_t end) {
     float acc[4096];
     for (int64_t j = begin; j < end; ++j) {
@@ -178,9 +180,9 @@ void dequantize_sum_typed(const uint8_t* in, int64_t world_size, int64_t s, int6
             for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + static_cast<float>(qi[k]) * sc;
           }
         } else if (w == 0) {
-          for (int64_t k = 0; k < n; ++k) acc[k] = table[q[k]] * sc;
+          for (int64_t k = 0; k < n; ++k) acc[k] = fp8_to_float(q[k]) * sc;
         } else {
-          for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + table[q[k]] * sc;
+          for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + fp8_to_float(q[k]) * sc;
         }
       }
       finish_tile(acc, dst + first, n, fscale, accumulate);
