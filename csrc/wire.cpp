@@ -50,6 +50,30 @@ inline float fp8_to_float(uint8_t b) {
   return c10::bit_cast<float>(bits);
 }
 
+// The dequantize loops, compiled for AVX2 and for the x86-64 baseline (as in flatgrad.cpp);
+// no FMA is enabled, so both compute the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FLATGRAD_WIRE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FLATGRAD_WIRE_CLONES
+#endif
+
+// acc (=|+=) dequantized q * sc over n elements (kind: int8 or fp8).
+FLATGRAD_WIRE_CLONES void dequantize_add(const uint8_t* q, float sc, float* acc, int64_t n, int64_t kind, bool first) {
+  if (kind == wire::kInt8) {
+    const int8_t* qi = reinterpret_cast<const int8_t*>(q);
+    if (first) {
+      for (int64_t k = 0; k < n; ++k) acc[k] = static_cast<float>(qi[k]) * sc;
+    } else {
+      for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + static_cast<float>(qi[k]) * sc;
+    }
+  } else if (first) {
+    for (int64_t k = 0; k < n; ++k) acc[k] = fp8_to_float(q[k]) * sc;
+  } else {
+    for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + fp8_to_float(q[k]) * sc;
+  }
+}
+
 template <typename out_t>
 inline void finish_tile(const float* acc, out_t* out, int64_t n, float scale, bool accumulate) {
   for (int64_t k = 0; k < n; ++k) {
@@ -171,19 +195,7 @@ void dequantize_sum_typed(const uint8_t* in, int64_t world_size, int64_t s, int6
         const uint8_t* segment = in + w * seg;
         float sc;
         std::memcpy(&sc, segment + round16(s) + 4 * j, sizeof(float));
-        const uint8_t* q = segment + first;
-        if (kind == wire::kInt8) {
-          const int8_t* qi = reinterpret_cast<const int8_t*>(q);
-          if (w == 0) {
-            for (int64_t k = 0; k < n; ++k) acc[k] = static_cast<float>(qi[k]) * sc;
-          } else {
-            for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + static_cast<float>(qi[k]) * sc;
-          }
-        } else if (w == 0) {
-          for (int64_t k = 0; k < n; ++k) acc[k] = fp8_to_float(q[k]) * sc;
-        } else {
-          for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + fp8_to_float(q[k]) * sc;
-        }
+        dequantize_add(segment + first, sc, acc, n, kind, w == 0);
       }
       finish_tile(acc, dst + first, n, fscale, accumulate);
     }
