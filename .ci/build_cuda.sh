@@ -79,6 +79,12 @@ echo "$KERNELS" | sed 's/^/  /'
 for kernel in '^pack_kernel<' '^unpack_kernel<' '^stats_finish_kernel$'; do
   echo "$KERNELS" | grep -q "$kernel" || { echo "no ${kernel//[\^<$]/} in the cubin"; exit 1; }
 done
+WIRE=$("$CUOBJDUMP" --dump-elf-symbols "$SO" | grep -o '_Z[A-Za-z0-9_]*' | c++filt \
+  | grep -Eo '(dequantize_sum_kernel|quantize_kernel|sum_kernel)<[^(]*>' | sort -u)
+for kernel in '^sum_kernel<' '^quantize_kernel<' '^dequantize_sum_kernel<'; do
+  echo "$WIRE" | grep -q "$kernel" || { echo "no ${kernel//[\^<]/} (wire kernels) in the cubin"; exit 1; }
+done
+echo "wire kernels: $(echo "$WIRE" | wc -l) instances"
 echo "pack_kernel: $(echo "$KERNELS" | grep -c '^pack_kernel<') instances, unpack_kernel: $(echo "$KERNELS" | grep -c '^unpack_kernel<') instances"
 echo "resource usage (registers, spills):"
 "$CUOBJDUMP" --dump-resource-usage "$SO" | grep -o 'REG:[0-9]* STACK:[0-9]* SHARED:[0-9]* LOCAL:[0-9]*' | sort | uniq -c | sed 's/^/  /'
@@ -90,7 +96,7 @@ import torch
 import flatgrad._C  # noqa: F401  (registers torch.ops.flatgrad)
 
 has = torch._C._dispatch_has_kernel_for_dispatch_key
-ops = ("pack", "unpack", "_pack_table", "_unpack_table")
+ops = ("pack", "unpack", "_pack_table", "_unpack_table", "wire_sum", "wire_quantize", "wire_dequantize_sum")
 for op in ops:
     print(" ", getattr(torch.ops.flatgrad, op).default._schema)
 missing = [f"flatgrad::{op} {key}" for op in ops for key in ("CUDA", "CPU") if not has(f"flatgrad::{op}", key)]

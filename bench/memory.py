@@ -50,7 +50,10 @@ from flatgrad.plan.memory import gradient_path_memory
 _MODES = ("stock", "flatgrad")
 
 
-def _config(stage: int, dtype: str, world_size: int, bucket: int, gas: int, flatgrad: bool, comm_buffers: int) -> dict:
+def _config(
+    stage: int, dtype: str, world_size: int, bucket: int, gas: int, flatgrad: bool, comm_buffers: int,
+    reduction: dict | None = None,
+) -> dict:  # fmt: skip
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket}
     if stage in (1, 2):
         zero["allgather_bucket_size"] = max(bucket, 10**7)
@@ -68,7 +71,7 @@ def _config(stage: int, dtype: str, world_size: int, bucket: int, gas: int, flat
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if flatgrad:
-        cfg["flatgrad"] = {"comm_buffers": comm_buffers}
+        cfg["flatgrad"] = {"comm_buffers": comm_buffers, **((reduction or {}) if stage in (1, 2) else {})}
     return cfg
 
 
@@ -97,7 +100,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
         n_params = sum(p.numel() for p in model.parameters())
         cfg = _config(
             job["stage"], job["dtype"], world_size, job["bucket"], job["gas"], job["mode"] == "flatgrad",
-            job["comm_buffers"],
+            job["comm_buffers"], job.get("reduction"),
         )
         engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
         census.mark("built")
@@ -119,6 +122,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     reduction = getattr(engine.optimizer, "_flatgrad", None)
     if reduction is not None:
         out["comm_buffer_bytes"] = sum(r.comm_buffer_bytes for r in reduction.reducers)
+        out["residual_bytes"] = sum(r.residual_bytes for r in reduction.reducers)  # error feedback
     engine.destroy()
     return out
 
@@ -144,6 +148,7 @@ def _run(args: argparse.Namespace) -> list[dict]:
                         stage=stage, dtype=dtype, mode=mode, device=args.device, width=args.width,
                         layers=args.layers, bucket=bucket, steps=args.steps, gas=args.gas,
                         comm_buffers=args.comm_buffers,
+                        reduction={"reduction": args.reduction, "error_feedback": args.error_feedback},
                     )  # fmt: skip
                     results = run_ranks(_rank, world_size, job, timeout=600)
                     row[mode] = {
@@ -240,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gas", type=int, default=2, help="gradient accumulation steps")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--comm-buffers", type=int, default=2, help="flatgrad's 'comm_buffers' (ZeRO-1/2)")
+    parser.add_argument("--reduction", default="reduce_scatter", help="flatgrad's 'reduction' (ZeRO-1/2)")
+    parser.add_argument("--error-feedback", action="store_true", help="flatgrad's 'error_feedback' (int8/fp8)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.device == "cpu" else "cuda")

@@ -56,6 +56,7 @@ __all__ = [
     "Averaging",
     "METHODS",
     "all_gather_in_place",
+    "all_to_all",
     "averaging",
     "avg_supported",
     "backend_name",
@@ -241,3 +242,32 @@ def all_gather_in_place(buffers: Sequence[torch.Tensor], *, group: dist.ProcessG
     for b in buffers:
         gather(b, b.chunk(world_size)[rank], group=group)
     return len(buffers)
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Send chunk ``r`` of the 1-D ``input`` to rank ``r``; chunk ``w`` of ``output`` comes from rank ``w``.
+
+    One ``all_to_all_single`` with equal chunks (``numel / W`` each); the
+    reduction modes ``exact``, ``int8`` and ``fp8`` use it instead of a
+    reduce_scatter (see DESIGN.md, "Reduction modes"). gloo refuses float8
+    tensors: pass a ``uint8`` view. World size 1: a copy, no collective, and
+    ``None`` is returned.
+    """
+    world_size = dist.get_world_size(group)
+    if input.dim() != 1 or output.dim() != 1:
+        raise ValueError(f"input and output must be 1-D, got {tuple(input.shape)} and {tuple(output.shape)}")
+    if input.numel() != output.numel() or input.numel() % world_size:
+        raise ValueError(
+            f"input and output must have the same number of elements, a multiple of the world size {world_size}; "
+            f"got {input.numel()} and {output.numel()}"
+        )
+    if input.dtype != output.dtype:
+        raise ValueError(f"input is {input.dtype} but output is {output.dtype}")
+    if world_size == 1:
+        output.copy_(input)
+        return None
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)

@@ -63,6 +63,26 @@ cache after the first step, with no device allocation. ``grad_shards()`` hands
 out the current window's shards; a caller that keeps one keeps its memory
 alive (a shard is dropped, never resized under a view).
 
+[Note: reduction modes]
+``reduction`` picks what moves a bucket (see DESIGN.md, "Reduction modes"):
+
+* ``"reduce_scatter"``: the path above, unchanged.
+* ``"exact"``: the comm-dtype buffer goes out through one ``all_to_all`` into a
+  receive buffer of the same size; the unpack (``wire.sum_sources``) reads its W
+  chunks and sums them in fp32 in rank order 0..W-1, post-scales (``1/W`` when
+  averaging) and copies or adds into the shard in one pass. Deterministic, same
+  bytes as a reduce_scatter.
+* ``"int8"`` / ``"fp8"``: after the pack, ``wire.quantize`` writes the quantized
+  wire (see [Note: wire format] in ``kernels/wire_reference.py``) into a send
+  buffer, one all_to_all moves it, and the unpack (``wire.dequantize_sum``)
+  dequantizes and sums in fp32. With ``error_feedback`` a persistent fp32
+  residual per bucket (``layout.numel`` elements) carries this rank's
+  quantization error into its next quantize.
+
+The receive (and wire) buffers come from pools beside the comm buffer pool,
+keyed by purpose, with the same count and the same bucket -> buffer assignment,
+so the hand-off rule of [Note: comm buffer pool] covers them too.
+
 [Note: launch order]
 Collectives are matched across ranks by the order they are issued in, not by
 name. Buckets are therefore launched strictly in bucket order: a bucket whose
@@ -129,11 +149,13 @@ from torch import nn
 
 from . import comm
 from .kernels import DTYPES, PackPlan, UnpackPlan, resolve_backend
+from .kernels import wire
 from .layout import Layout, Piece, split_numels
 
 __all__ = ["BucketReducer", "GradShard", "LayoutMismatchError", "build_buckets"]
 
 _LAYOUT_KINDS = ("flat", "chunked")
+REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8")
 
 
 class GradShard(NamedTuple):
@@ -208,7 +230,7 @@ class _Bucket:
         "unpack_scale", "pack_plan", "unpack_plan", "input", "input_chunks", "output", "shard", "accumulate", "pieces",
         "previous", "stats",
         "unpacked", "in_flight", "pack_stream", "unpack_stream", "ready", "not_ready", "pending", "launched",
-        "work",
+        "work", "reduction", "wire_kernels", "recv", "wire_send", "wire_recv", "residual",
     )  # fmt: skip
 
     def reset(self) -> None:
@@ -249,6 +271,10 @@ class BucketReducer:
             squares and the non-finite count of the shard it wrote (the
             accumulated values): ``shard_stats()`` returns the last ones, for the
             gradient norm and the overflow check without reading the shards again.
+        reduction: ``"reduce_scatter"`` (the default), or one of the all_to_all modes of
+            [Note: reduction modes]: ``"exact"``, ``"int8"``, ``"fp8"``.
+        block: int8/fp8: elements per fp32 scale, a power of two in [32, 4096].
+        error_feedback: int8/fp8: carry each rank's quantization error into its next pack.
 
     Attributes:
         buckets: the buckets, as lists of params in layout order.
@@ -258,6 +284,7 @@ class BucketReducer:
         kernel_backends: the flatgrad kernel backend each bucket packs and unpacks with.
         comm_buffer_bytes: bytes held by the comm buffer pool (all the time).
         shard_bytes: bytes of the shards of one accumulation window (held only during one).
+        residual_bytes: bytes of the error-feedback residuals (held all the time; 0 without).
     """
 
     def __init__(
@@ -277,6 +304,9 @@ class BucketReducer:
         comm_buffers: int = 2,
         accum_dtype: torch.dtype = torch.float32,
         collect_stats: bool = False,
+        reduction: str = "reduce_scatter",
+        block: int = 256,
+        error_feedback: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -291,6 +321,7 @@ class BucketReducer:
         description: list[tuple] = []
         try:
             _check_pool_args(comm_buffers, accum_dtype)
+            self._reduction = _check_reduction(reduction, block, error_feedback)
             plans = self._plan(
                 buckets, comm_dtype, layout, align, average, prescale, postscale, backend, method, register_hooks
             )
@@ -311,6 +342,7 @@ class BucketReducer:
         self.kernel_backends: list[str] = [getattr(b.kernels, "name", type(b.kernels).__name__) for b in self._buckets]
         self.comm_buffer_bytes: int = sum(t.numel() * t.element_size() for pool in self._pools.values() for t in pool)
         self.shard_bytes: int = sum(b.layout.shard_numel for b in self._buckets) * accum_dtype.itemsize
+        self.residual_bytes: int = sum(b.residual.numel() * 4 for b in self._buckets if b.residual is not None)
         self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._next = 0  # the first bucket not launched yet this micro-step; see [Note: launch order]
         self._in_step = False  # some bucket was marked or launched since the last finish()
@@ -371,14 +403,16 @@ class BucketReducer:
                 raise ValueError(f"buckets[{b}] mixes dtypes {sorted(map(str, dtypes))}; pass comm_dtype=")
             dtype = comm_dtype if comm_dtype is not None else params[0].dtype
             layout = Layout.make(kind, [p.numel() for p in params], self.world_size, align)
-            if average:
-                avg = comm.averaging(self.world_size, dtype, self.process_group, device)
-            else:
+            if not average:
                 avg = comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0)
+            elif self._reduction[0] != "reduce_scatter":  # the unpack sums in fp32: average there
+                avg = comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0 / self.world_size)
+            else:
+                avg = comm.averaging(self.world_size, dtype, self.process_group, device)
             resolved = comm.resolve_method(method, self.process_group, device)
             kernels = resolve_backend(backend, device)
             description = (
-                kind, align, str(dtype), str(avg.op), resolved,
+                kind, align, str(dtype), str(avg.op), resolved, self._reduction,
                 tuple((tuple(p.shape), str(p.dtype)) for p in params),
             )  # fmt: skip
             plans.append(
@@ -417,12 +451,18 @@ class BucketReducer:
         if b.device.type == "cuda":
             b.pack_stream, b.unpack_stream = _side_streams(b.device)
             b.unpacked = torch.cuda.Event()
+        b.reduction = self._reduction[0]
+        b.wire_kernels = None if b.reduction == "reduce_scatter" else wire.wire_kernels(b.kernels.name)
+        b.recv = b.wire_send = b.wire_recv = None
+        b.residual = None
+        if self._reduction[2]:  # persistent, zero at the start: see [Note: reduction modes]
+            b.residual = torch.zeros(b.layout.numel, dtype=torch.float32, device=b.device)
         b.not_ready = [False] * len(b.params)
         b.ready = list(b.not_ready)
         b.reset()
         return b
 
-    def _allocate_pools(self, comm_buffers: int) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    def _allocate_pools(self, comm_buffers: int) -> dict[tuple, list[torch.Tensor]]:
         """Make the comm buffer pools (once) and give every bucket its views. See [Note: comm buffer pool]."""
         members: dict[tuple[torch.device, torch.dtype], list[_Bucket]] = {}
         for b in self._buckets:
@@ -439,6 +479,20 @@ class BucketReducer:
                 # In place: this rank's chunk of the input. World size 1: the whole input.
                 b.output = b.input.narrow(0, self.rank * layout.shard_numel, layout.shard_numel)
                 b.previous = buckets[k - count] if k >= count else None
+            if buckets[0].reduction == "exact":  # the all_to_all's receive side: see [Note: reduction modes]
+                recv = pools[("recv", device, dtype)] = [torch.empty(size, dtype=dtype, device=device) for _ in range(count)]
+                for k, b in enumerate(buckets):
+                    b.recv = recv[k % count].narrow(0, 0, b.layout.numel)
+            elif buckets[0].reduction != "reduce_scatter":
+                block = self._reduction[1]
+                nbytes = max(self.world_size * wire.segment_bytes(b.layout.shard_numel, block) for b in buckets)
+                for purpose in ("wire_send", "wire_recv"):
+                    pool = pools[(purpose, device, dtype)] = [
+                        torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)
+                    ]
+                    for k, b in enumerate(buckets):
+                        size_b = self.world_size * wire.segment_bytes(b.layout.shard_numel, block)
+                        setattr(b, purpose, pool[k % count].narrow(0, 0, size_b))
         return pools
 
     # ------------------------------------------------------------------ hot path
@@ -495,7 +549,7 @@ class BucketReducer:
             if b.previous is not None and b.previous.in_flight:
                 self._drain(block=True, through=b.previous)  # its comm buffer is this bucket's
             b.pack_plan(grads, b.input, scale=b.pack_scale)
-            b.work = self._reduce_scatter(b)
+            b.work = self._collective(b)
             b.in_flight = True
             self._inflight.append(b)
         else:
@@ -510,7 +564,7 @@ class BucketReducer:
                 for g in grads:
                     if g is not None:
                         g.record_stream(b.pack_stream)
-                b.work = self._reduce_scatter(b)
+                b.work = self._collective(b)
             with torch.cuda.stream(b.unpack_stream):
                 if b.work is not None:
                     b.work.wait()
@@ -524,14 +578,21 @@ class BucketReducer:
         if self._inflight:
             self._drain(block=False)
 
-    def _reduce_scatter(self, b: _Bucket):
+    def _collective(self, b: _Bucket):
+        """Start the bucket's collective (an int8/fp8 bucket quantizes first). See [Note: reduction modes]."""
         try:
-            return comm.reduce_scatter(
-                b.output, b.input, group=self.process_group, op=b.op, async_op=True, method=b.method,
-                input_chunks=b.input_chunks,
-            )  # fmt: skip
+            if b.reduction == "reduce_scatter":
+                return comm.reduce_scatter(
+                    b.output, b.input, group=self.process_group, op=b.op, async_op=True, method=b.method,
+                    input_chunks=b.input_chunks,
+                )  # fmt: skip
+            if b.reduction == "exact":
+                return comm.all_to_all(b.recv, b.input, group=self.process_group, async_op=True)
+            _, block, _ = self._reduction
+            b.wire_kernels.quantize(b.input, self.world_size, block, b.reduction, b.wire_send, b.residual)
+            return comm.all_to_all(b.wire_recv, b.wire_send, group=self.process_group, async_op=True)
         except Exception as exc:
-            raise RuntimeError(f"flatgrad: reduce_scatter of bucket {b.id} failed on rank {self.rank}: {exc}") from exc
+            raise RuntimeError(f"flatgrad: the {b.reduction} of bucket {b.id} failed on rank {self.rank}: {exc}") from exc
 
     def _ensure_shard(self, b: _Bucket) -> None:
         """Give ``b`` its shard for this window if it has none; its first unpack then copies. See [Note: shard lifetime]."""
@@ -541,11 +602,18 @@ class BucketReducer:
 
     def _unpack(self, b: _Bucket) -> None:
         self._ensure_shard(b)
-        if b.unpack_plan is None:
-            b.unpack_plan = UnpackPlan(b.layout, self.rank, b.shard, backend=getattr(b.kernels, "name", None))
-        b.stats = b.unpack_plan(
-            b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate, return_stats=self.collect_stats
-        )
+        if b.reduction == "reduce_scatter":
+            if b.unpack_plan is None:
+                b.unpack_plan = UnpackPlan(b.layout, self.rank, b.shard, backend=getattr(b.kernels, "name", None))
+            b.stats = b.unpack_plan(
+                b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate, return_stats=self.collect_stats
+            )
+        elif b.reduction == "exact":
+            b.wire_kernels.sum_sources(b.recv, self.world_size, b.shard, b.unpack_scale, b.accumulate)
+        else:
+            b.wire_kernels.dequantize_sum(
+                b.wire_recv, self.world_size, self._reduction[1], b.reduction, b.shard, b.unpack_scale, b.accumulate
+            )
         b.accumulate = True
 
     def _drain(self, block: bool, through: _Bucket | None = None) -> None:
@@ -610,14 +678,22 @@ class BucketReducer:
             )
         return [GradShard(b.id, b.shard, b.layout, list(b.params), list(b.pieces)) for b in self._buckets]
 
+    @property
+    def stats_available(self) -> bool:
+        """Whether every unpack computes the stats ``shard_stats()`` returns."""
+        return self.collect_stats and all(b.reduction == "reduce_scatter" for b in self._buckets)
+
     def shard_stats(self) -> list[torch.Tensor]:
         """Per bucket, fp32 ``[sum_sq, nonfinite_count]`` of its shard as the last unpack wrote it.
 
         Needs ``collect_stats``; valid after ``finish()``. Computed in the unpack's own
         pass, so reading them costs no pass over the shards.
         """
-        if not self.collect_stats:
-            raise RuntimeError("shard_stats() needs a reducer made with collect_stats=True")
+        if not self.stats_available:
+            raise RuntimeError(
+                "shard_stats() needs a reducer made with collect_stats=True and reduction='reduce_scatter' "
+                "(the all_to_all modes' unpacks compute no stats yet)"
+            )
         if self._in_step or any(b.stats is None for b in self._buckets):
             raise RuntimeError("no shard stats: a bucket was not unpacked since the last zero_grad(), or finish() is due")
         return [b.stats for b in self._buckets]
@@ -647,6 +723,20 @@ def _check_pool_args(comm_buffers: object, accum_dtype: object) -> None:
         raise ValueError(f"comm_buffers must be an int >= 1, got {comm_buffers!r}")
     if accum_dtype not in DTYPES:
         raise ValueError(f"accum_dtype must be one of fp32, bf16, fp16, got {accum_dtype!r}")
+
+
+def _check_reduction(reduction: object, block: object, error_feedback: object) -> tuple[str, int, bool]:
+    """``(reduction, block, error_feedback)`` validated; each error names its argument."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    wire.check_block(block, "block")
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+    if reduction in wire.KINDS:
+        wire.check_kind(reduction, "reduction")
+    elif error_feedback:
+        raise ValueError(f"error_feedback needs reduction 'int8' or 'fp8', not {reduction!r}")
+    return reduction, block, error_feedback
 
 
 def _conform(b: _Bucket, i: int, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -756,7 +846,7 @@ def _first_difference(base: list[tuple], desc: list[tuple], other: int) -> str:
                 return f"bucket {b} param {i} has shape {s0} {d0} on rank 0 but shape {s1} {d1} on rank {other}"
         if len(params0) != len(params1):
             return f"bucket {b} has {len(params0)} params on rank 0 and {len(params1)} on rank {other}"
-        names = ("layout", "align", "comm dtype", "reduce op", "reduce_scatter method")
+        names = ("layout", "align", "comm dtype", "reduce op", "reduce_scatter method", "reduction")
         for name, v0, v1 in zip(names, settings0, settings1):
             if v0 != v1:
                 return f"bucket {b} uses {name} {v0} on rank 0 but {v1} on rank {other}"

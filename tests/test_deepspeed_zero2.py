@@ -823,6 +823,11 @@ def _cfg_with(stage: int = 2, **changes) -> dict:
         (_cfg_with(flatgrad={"bucket_numell": 10}), "bucket_numell"),
         (_cfg_with(flatgrad={"comm_buffers": 0}), "flatgrad.comm_buffers"),
         (_cfg_with(flatgrad={"comm_buffers": 1.5}), "flatgrad.comm_buffers"),
+        (_cfg_with(flatgrad={"reduction": "mean"}), "flatgrad.reduction"),
+        (_cfg_with(flatgrad={"reduction": "int8", "block": 100}), "flatgrad.block"),
+        (_cfg_with(flatgrad={"reduction": "int8", "block": 8192}), "flatgrad.block"),
+        (_cfg_with(flatgrad={"reduction": "exact", "error_feedback": True}), "flatgrad.error_feedback"),
+        (_cfg_with(3, flatgrad={"reduction": "exact"}), "flatgrad.reduction"),
     ],
     ids=[
         "offload",
@@ -838,6 +843,11 @@ def _cfg_with(stage: int = 2, **changes) -> dict:
         "typo",
         "comm_buffers-0",
         "comm_buffers-float",
+        "reduction-unknown",
+        "block-not-pow2",
+        "block-too-large",
+        "feedback-without-quantization",
+        "reduction-zero3",
     ],
 )
 def test_unsupported_configs_are_refused_at_initialize_naming_the_key(cfg, key):
@@ -1017,3 +1027,34 @@ def test_layout_check_failing_on_one_rank_raises_on_every_rank():
     first, second = launch(_setup_failure_rank, 2, timeout=100)
     assert second is not None and "first_offset" in second, second
     assert first is not None and "rank 1 failed" in first and "first_offset" in first, first
+def _reduction_modes_rank(rank: int, world_size: int) -> dict:
+    import flatgrad.deepspeed as fds
+
+    out = {}
+    for flatgrad in (
+        {},
+        {"reduction": "exact"},
+        {"reduction": "int8", "error_feedback": True, "block": 64},
+        {"reduction": "fp8", "block": 64},
+    ):
+        torch.manual_seed(0)
+        engine, *_ = fds.initialize(model=MLP(), config=ds_config(2, flatgrad=flatgrad))
+        losses = train(engine, make_batches(rank, 4, 2, 13, 5))
+        out[flatgrad.get("reduction", "reduce_scatter")] = (losses, params_of(engine))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_reduction_modes_through_zero2():
+    """fp32 on 2 ranks: one addition per element, so ``exact`` equals the reduce_scatter bitwise; int8/fp8 are close."""
+    for out in launch(_reduction_modes_rank, 2, timeout=140):
+        base_losses, base_params = out["reduce_scatter"]
+        losses, params = out["exact"]
+        assert losses == base_losses
+        assert all(torch.equal(params[n], base_params[n]) for n in base_params)
+        for mode in ("int8", "fp8"):
+            losses, params = out[mode]
+            assert params.keys() == base_params.keys()
+            assert any(not torch.equal(params[n], base_params[n]) for n in base_params), mode  # it did quantize
+            assert losses[0] == base_losses[0]
+            torch.testing.assert_close(losses, base_losses, rtol=0.02, atol=0, msg=mode)

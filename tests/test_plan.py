@@ -446,3 +446,20 @@ def test_plan_command_rejects_bad_input(capsys) -> None:
     assert "unknown model 'nonexistent-model'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["plan", "mlp", "--world-size", "0"])
+
+
+def test_reduction_modes_cost_and_bytes() -> None:
+    from flatgrad.plan.cost import DEFAULT, reduction_call
+
+    group = range(8)
+    numel = 8 * 1_000_000
+    rs = reduction_call("reduce_scatter", numel, torch.bfloat16, group)
+    exact = reduction_call("exact", numel, torch.bfloat16, group)
+    assert DEFAULT.bus_bytes(exact) == DEFAULT.bus_bytes(rs)
+    assert DEFAULT.time(exact) == DEFAULT.time(rs)
+    for kind in ("int8", "fp8"):
+        q = reduction_call(kind, numel, torch.bfloat16, group)
+        assert DEFAULT.bus_bytes(q) <= 0.53 * DEFAULT.bus_bytes(rs)
+        assert DEFAULT.time(q) < DEFAULT.time(rs)
+    with pytest.raises(ValueError, match="reduction"):
+        reduction_call("int4", numel, torch.bfloat16, group)

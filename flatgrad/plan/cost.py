@@ -8,8 +8,12 @@ A call over a group of ``p`` ranks on ``n`` nodes takes
 * ``bus_bytes = nbytes * factor``, the factor being nccl-tests' bus-bandwidth
   factor (``PERFORMANCE.md`` in NVIDIA/nccl-tests): ``2 (p - 1) / p`` for
   ``all_reduce``, ``(p - 1) / p`` for ``reduce_scatter`` (``nbytes`` = its whole
-  input), ``1`` for ``reduce`` (a pipelined chain: every link carries the whole
-  buffer). It is what the busiest link of the call carries.
+  input), ``(p - 1) / p`` for ``all_to_all`` too (``nbytes`` = the send buffer;
+  each rank keeps ``1 / p`` of it), ``1`` for ``reduce`` (a pipelined chain: every
+  link carries the whole buffer). It is what the busiest link of the call carries.
+  ``reduction_call`` gives the call of each reduction mode (see [Note: reduction
+  modes] in ``flatgrad/reducer.py``): ``exact`` sends the bytes a reduce_scatter
+  does, ``int8`` / ``fp8`` their wire format (0.5 + 2 / block of bf16's).
 * The report's "bytes sent" is what the simulated rank itself sends: the ring
   share for ``all_reduce`` and ``reduce_scatter``, the whole buffer for a
   ``reduce`` rooted elsewhere, nothing for one rooted at it.
@@ -47,9 +51,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from .schedule import Collective, Schedule
 
-__all__ = ["CostModel", "DEFAULT"]
+__all__ = ["CostModel", "DEFAULT", "reduction_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +90,7 @@ class CostModel:
         p = len(call.group)
         if call.op == "all_reduce":
             return 2 * (p - 1) / p
-        if call.op == "reduce_scatter":
+        if call.op in ("reduce_scatter", "all_to_all"):
             return (p - 1) / p
         return 1.0 if p > 1 else 0.0
 
@@ -126,3 +132,23 @@ class CostModel:
 
 
 DEFAULT = CostModel()
+
+
+def reduction_call(reduction: str, numel: int, dtype: torch.dtype, group: range, block: int = 256) -> Collective:
+    """The collective that moves a ``numel``-element bucket of ``dtype`` under a reduction mode.
+
+    ``reduce_scatter``: today's call; ``exact``: an ``all_to_all`` of the same
+    bytes; ``int8`` / ``fp8``: an ``all_to_all`` of the quantized wire (uint8,
+    ``W`` segments of ``flatgrad.kernels.wire.segment_bytes``).
+    """
+    from ..kernels import wire
+
+    if reduction == "reduce_scatter":
+        return Collective("reduce_scatter", numel, dtype, group)
+    if reduction == "exact":
+        return Collective("all_to_all", numel, dtype, group)
+    if reduction not in wire.KINDS:
+        raise ValueError(f"reduction must be one of reduce_scatter, exact, {', '.join(wire.KINDS)}; got {reduction!r}")
+    p = len(group)
+    shard = -(-numel // p)
+    return Collective("all_to_all", p * wire.segment_bytes(shard, block), torch.uint8, group, payload=numel)

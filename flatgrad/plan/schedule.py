@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["Collective", "Schedule", "element_size", "size_histogram"]
 
-OPS = ("reduce", "all_reduce", "reduce_scatter")
+OPS = ("reduce", "all_reduce", "reduce_scatter", "all_to_all")
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -28,7 +28,8 @@ class Collective:
     """One collective call as the issuing rank sees it.
 
     Attributes:
-        op: ``"reduce"``, ``"all_reduce"`` or ``"reduce_scatter"``.
+        op: ``"reduce"``, ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_to_all"`` (the
+            reduction modes; ``numel`` is the whole send buffer).
         numel: elements of the call's buffer (for ``reduce_scatter`` the whole
             input, ``group size x shard``).
         dtype: the communication dtype.

@@ -17,6 +17,7 @@ SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in DESIG
 
 _COMM_DTYPES = ("fp32", "bf16", "fp16")
 _METHODS = ("auto", "tensor", "list")
+_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8")
 
 
 class UnsupportedConfigError(ValueError):
@@ -41,6 +42,11 @@ class FlatgradConfig:
         comm_buffers: ZeRO-1/2: how many bucket-sized comm buffers all sub-groups share (2, like
             stock's double IPG buffer, lets a pack overlap the previous collective; 1 saves one
             bucket of memory and serialises them).
+        reduction: ZeRO-1/2: ``reduce_scatter`` (the default), ``exact`` (all_to_all of the comm dtype,
+            fixed-order fp32 sum in the unpack), ``int8`` or ``fp8`` (blockwise-quantized all_to_all);
+            see [Note: reduction modes] in ``flatgrad/reducer.py``. ZeRO-3 refuses the others.
+        block: ``int8``/``fp8``: elements per fp32 scale, a power of two in [32, 4096].
+        error_feedback: ``int8``/``fp8``: carry each rank's quantization error into its next step.
     """
 
     enabled: bool = True
@@ -49,6 +55,9 @@ class FlatgradConfig:
     bucket_numel: int | None = None
     reduce_scatter: str = "auto"
     comm_buffers: int = 2
+    reduction: str = "reduce_scatter"
+    block: int = 256
+    error_feedback: bool = False
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "FlatgradConfig":
@@ -82,6 +91,24 @@ class FlatgradConfig:
         if cfg.reduce_scatter not in _METHODS:
             raise UnsupportedConfigError(
                 f"'{SECTION}.reduce_scatter' must be one of {_METHODS}, got {cfg.reduce_scatter!r}"
+            )
+        if cfg.reduction not in _REDUCTIONS:
+            raise UnsupportedConfigError(
+                f"'{SECTION}.reduction' must be one of {_REDUCTIONS}, got {cfg.reduction!r}"
+            )
+        from ...kernels import wire
+
+        try:
+            wire.check_block(cfg.block, f"'{SECTION}.block'")
+            if cfg.reduction in wire.KINDS:
+                wire.check_kind(cfg.reduction, f"'{SECTION}.reduction'")
+        except ValueError as exc:
+            raise UnsupportedConfigError(str(exc)) from exc
+        if not isinstance(cfg.error_feedback, bool):
+            raise UnsupportedConfigError(f"'{SECTION}.error_feedback' must be true or false, got {cfg.error_feedback!r}")
+        if cfg.error_feedback and cfg.reduction not in wire.KINDS:
+            raise UnsupportedConfigError(
+                f"'{SECTION}.error_feedback' needs '{SECTION}.reduction' 'int8' or 'fp8', not {cfg.reduction!r}"
             )
         return cfg
 

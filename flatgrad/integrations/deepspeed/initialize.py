@@ -165,6 +165,11 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
                 f"flatgrad's ZeRO-3 backend is not available ({exc}) ('zero_optimization.stage' = 3)"
             ) from exc
         zero3_check_supported(ds_config)
+        if cfg.reduction != "reduce_scatter":
+            raise UnsupportedConfigError(
+                f"'flatgrad.reduction' = {cfg.reduction!r} is not supported by flatgrad's ZeRO-3 backend yet "
+                "(ZeRO-1/2 only); use 'reduce_scatter' ('zero_optimization.stage' = 3)"
+            )
         if arguments.get("optimizer") is None and "optimizer" not in ds_config:
             raise UnsupportedConfigError(
                 "a ZeRO-3 engine without an optimizer (no 'optimizer' config section and no optimizer argument) "

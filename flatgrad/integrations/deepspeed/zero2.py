@@ -497,6 +497,9 @@ class Zero2Reduction:
                 comm_buffers=cfg.comm_buffers,
                 collect_stats=True,
                 accum_dtype=o.gradient_accumulation_dtype,
+                reduction=cfg.reduction,
+                block=cfg.block,
+                error_feedback=cfg.error_feedback,
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:
@@ -820,6 +823,8 @@ class Zero2Reduction:
         o = self.optimizer
         if o.mpu is not None or o.model_parallel_group is not None:
             return False
+        if not all(r.stats_available for r in self.reducers):
+            return False  # an all_to_all reduction mode: its unpack computes no stats yet
         return not any(getattr(p, PIPE_REPLICATED, False) for g in o.bit16_groups for p in g)
 
     def _reduced_stats(self) -> torch.Tensor:

@@ -1,0 +1,205 @@
+// CUDA kernels of the wire ops (schemas and CPU kernels: csrc/wire.cpp).
+//
+// Arithmetic and byte layout are the reference's, bit for bit (see
+// [Note: wire format] and [Note: wire arithmetic contract] in
+// flatgrad/kernels/wire_reference.py): every fp32 operation is an explicit
+// round-to-nearest intrinsic (__fadd_rn, __fmul_rn, __fdiv_rn), which nvcc
+// never contracts into an FMA; the sums run over ranks 0..W-1 in order.
+// Kernels launch on the current stream, and nothing syncs the host.
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "flatgrad/wire.h"
+
+namespace flatgrad {
+namespace cuda {
+namespace {
+
+using wire::nblocks;
+using wire::round16;
+using wire::segment_bytes;
+
+constexpr int kThreads = 256;
+
+template <typename out_t>
+__device__ __forceinline__ void finish(float acc, out_t* out, int64_t i, float scale, bool accumulate) {
+  if (scale != 1.0f) acc = __fmul_rn(acc, scale);
+  if (accumulate) acc = __fadd_rn(static_cast<float>(out[i]), acc);
+  out[i] = static_cast<out_t>(acc);
+}
+
+template <typename src_t, typename out_t>
+__global__ void sum_kernel(const src_t* __restrict__ src, out_t* __restrict__ out, int64_t s, int64_t world_size,
+                           float scale, bool accumulate) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < s; i += int64_t(gridDim.x) * blockDim.x) {
+    float acc = static_cast<float>(src[i]);
+    for (int64_t w = 1; w < world_size; ++w) acc = __fadd_rn(acc, static_cast<float>(src[w * s + i]));
+    finish(acc, out, i, scale, accumulate);
+  }
+}
+
+__device__ __forceinline__ float nan_max(float m, float a) { return (a > m || a != a) ? a : m; }
+
+// One CUDA block quantizes one (destination w, block j) of the wire.
+template <typename src_t>
+__global__ void quantize_kernel(const src_t* __restrict__ src, float* __restrict__ res, uint8_t* __restrict__ wire_buf,
+                                int64_t s, int64_t block, int64_t nb, int64_t seg, int64_t kind) {
+  __shared__ float partial[kThreads];
+  const int64_t w = blockIdx.x / nb, j = blockIdx.x % nb;
+  const int64_t first = j * block, n = min(block, s - first);
+  const src_t* x_in = src + w * s + first;
+  float* r = res == nullptr ? nullptr : res + w * s + first;
+  float m = 0.0f;
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+    float v = static_cast<float>(x_in[k]);
+    if (r != nullptr) v = __fadd_rn(v, r[k]);
+    m = nan_max(m, fabsf(v));
+  }
+  partial[threadIdx.x] = m;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) partial[threadIdx.x] = nan_max(partial[threadIdx.x], partial[threadIdx.x + stride]);
+    __syncthreads();
+  }
+  const float scale = __fdiv_rn(partial[0], wire::qmax(kind));
+  uint8_t* segment = wire_buf + w * seg;
+  if (threadIdx.x == 0) reinterpret_cast<float*>(segment + round16(s))[j] = scale;
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+    float v = static_cast<float>(x_in[k]);
+    if (r != nullptr) v = __fadd_rn(v, r[k]);
+    float dq = 0.0f;
+    uint8_t code = 0;
+    if (scale != 0.0f) {
+      const float y = __fdiv_rn(v, scale);
+      if (kind == wire::kInt8) {
+        const float q = rintf(y);  // round half to even
+        const int8_t qi = q != q ? int8_t(0) : static_cast<int8_t>(fminf(127.0f, fmaxf(-127.0f, q)));
+        code = static_cast<uint8_t>(qi);
+        dq = static_cast<float>(qi);
+      } else {
+        const c10::Float8_e4m3fn q(fminf(448.0f, fmaxf(-448.0f, y)));
+        code = q.x;
+        dq = static_cast<float>(q);
+      }
+    }
+    segment[first + k] = code;
+    if (r != nullptr) r[k] = __fsub_rn(v, __fmul_rn(dq, scale));
+  }
+}
+
+// One CUDA block dequantizes and sums one quantization block of the W segments.
+template <typename out_t>
+__global__ void dequantize_sum_kernel(const uint8_t* __restrict__ wire_buf, out_t* __restrict__ out, int64_t s,
+                                      int64_t block, int64_t seg, int64_t world_size, int64_t kind, float scale,
+                                      bool accumulate) {
+  const int64_t j = blockIdx.x, first = j * block, n = min(block, s - first);
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t w = 0; w < world_size; ++w) {
+      const uint8_t* segment = wire_buf + w * seg;
+      const float sc = reinterpret_cast<const float*>(segment + round16(s))[j];
+      const uint8_t b = segment[first + k];
+      const float q = kind == wire::kInt8 ? static_cast<float>(static_cast<int8_t>(b))
+                                          : static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
+      const float v = __fmul_rn(q, sc);
+      acc = w == 0 ? v : __fadd_rn(acc, v);
+    }
+    finish(acc, out, first + k, scale, accumulate);
+  }
+}
+
+void check_cuda(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.dim() == 1, "flatgrad::wire: ", what,
+              " must be a contiguous 1-D CUDA tensor");
+}
+
+int grid_for(int64_t n) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535))); }
+
+void wire_sum_cuda(const at::Tensor& recv, int64_t world_size, const at::Tensor& out, double scale, bool accumulate) {
+  check_cuda(recv, "recv");
+  check_cuda(out, "out");
+  const int64_t s = out.numel();
+  TORCH_CHECK(world_size >= 1 && recv.numel() == world_size * s, "flatgrad::wire_sum: recv must hold W * S elements");
+  if (s == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, recv.scalar_type(), "wire_sum", [&] {
+    using src_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "wire_sum_out", [&] {
+      sum_kernel<src_t, scalar_t><<<grid_for(s), kThreads, 0, stream>>>(
+          recv.const_data_ptr<src_t>(), out.mutable_data_ptr<scalar_t>(), s, world_size, static_cast<float>(scale),
+          accumulate);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+void wire_quantize_cuda(const at::Tensor& packed, int64_t world_size, int64_t block, int64_t kind,
+                        const at::Tensor& wire_buf, const std::optional<at::Tensor>& residual) {
+  check_cuda(packed, "packed");
+  check_cuda(wire_buf, "wire");
+  TORCH_CHECK(wire_buf.scalar_type() == at::kByte, "flatgrad::wire_quantize: wire must be uint8");
+  TORCH_CHECK(block >= 1 && block <= 4096 && world_size >= 1 && packed.numel() % world_size == 0,
+              "flatgrad::wire_quantize: bad block or world_size");
+  TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, "flatgrad::wire_quantize: kind must be 0 (int8) or 1 (fp8)");
+  const int64_t s = packed.numel() / world_size, nb = nblocks(s, block), seg = segment_bytes(s, block);
+  TORCH_CHECK(wire_buf.numel() >= world_size * seg, "flatgrad::wire_quantize: wire too small");
+  float* res = nullptr;
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == packed.numel(),
+                "flatgrad::wire_quantize: residual must be fp32 and as large as packed");
+    res = residual->mutable_data_ptr<float>();
+  }
+  if (s == 0) return;
+  TORCH_CHECK(world_size * nb <= INT32_MAX, "flatgrad::wire_quantize: too many blocks");
+  const c10::cuda::CUDAGuard guard(packed.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, packed.scalar_type(), "wire_quantize", [&] {
+    quantize_kernel<scalar_t><<<static_cast<unsigned>(world_size * nb), kThreads, 0, stream>>>(
+        packed.const_data_ptr<scalar_t>(), res, wire_buf.mutable_data_ptr<uint8_t>(), s, block, nb, seg, kind);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void wire_dequantize_sum_cuda(const at::Tensor& wire_buf, int64_t world_size, int64_t block, int64_t kind,
+                              const at::Tensor& out, double scale, bool accumulate) {
+  check_cuda(wire_buf, "wire");
+  check_cuda(out, "out");
+  TORCH_CHECK(wire_buf.scalar_type() == at::kByte, "flatgrad::wire_dequantize_sum: wire must be uint8");
+  TORCH_CHECK(block >= 1 && block <= 4096 && world_size >= 1, "flatgrad::wire_dequantize_sum: bad block or world_size");
+  TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, "flatgrad::wire_dequantize_sum: kind must be 0 or 1");
+  const int64_t s = out.numel();
+  TORCH_CHECK(wire_buf.numel() >= world_size * segment_bytes(s, block), "flatgrad::wire_dequantize_sum: wire too small");
+  if (s == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "wire_dequantize_sum", [&] {
+    dequantize_sum_kernel<scalar_t><<<static_cast<unsigned>(nblocks(s, block)), kThreads, 0, stream>>>(
+        wire_buf.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), s, block, segment_bytes(s, block),
+        world_size, kind, static_cast<float>(scale), accumulate);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace flatgrad
+
+TORCH_LIBRARY_IMPL(flatgrad, CUDA, m) {
+  m.impl("wire_sum", &flatgrad::cuda::wire_sum_cuda);
+  m.impl("wire_quantize", &flatgrad::cuda::wire_quantize_cuda);
+  m.impl("wire_dequantize_sum", &flatgrad::cuda::wire_dequantize_sum_cuda);
+}

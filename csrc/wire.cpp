@@ -1,0 +1,234 @@
+// The wire kernels of the all_to_all reduction modes: schemas and CPU kernels.
+//
+// wire_sum:            out (=|+=) scale * sum_w float(recv[w])                 (mode "exact")
+// wire_quantize:       wire <- blockwise int8/fp8 of packed (+ residual)      (modes "int8", "fp8")
+// wire_dequantize_sum: out (=|+=) scale * sum_w float(q_w) * scale_w         (modes "int8", "fp8")
+//
+// Arithmetic and byte layout are the reference's, bit for bit: see
+// [Note: wire format] and [Note: wire arithmetic contract] in
+// flatgrad/kernels/wire_reference.py. setup.py passes -ffp-contract=off, so no
+// multiply-add is fused; the sums run over ranks 0..W-1 in order.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <c10/util/bit_cast.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "flatgrad/wire.h"
+
+namespace flatgrad {
+namespace {
+
+using wire::nblocks;
+using wire::round16;
+using wire::segment_bytes;
+
+// Elements a task sums at a time: an fp32 accumulator of this size stays in L1.
+constexpr int64_t kTile = 1024;
+constexpr int64_t kGrain = 32768;
+
+// float of an fp8 e4m3fn byte, exactly, in branch-free integer operations (c10's conversion
+// does not vectorise, nor does a 256-entry table gather: 0.23x of the copy roofline with the
+// table). Normal: the exponent rebiased (+120) and the 3 mantissa bits moved into place;
+// subnormal (e == 0): m * 2**-9; 0x7F / 0xFF: NaN.
+inline float fp8_to_float(uint8_t b) {
+  const uint32_t magnitude = b & 0x7Fu;
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t normal = sign | ((magnitude << 20) + (120u << 23));
+  const uint32_t subnormal = sign | c10::bit_cast<uint32_t>(static_cast<float>(magnitude) * 0x1p-9f);
+  const uint32_t bits = magnitude < 8 ? subnormal : (magnitude == 0x7F ? 0x7FC00000u : normal);
+  return c10::bit_cast<float>(bits);
+}
+
+// The dequantize loops, compiled for AVX2 and for the x86-64 baseline (as in flatgrad.cpp);
+// no FMA is enabled, so both compute the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FLATGRAD_WIRE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FLATGRAD_WIRE_CLONES
+#endif
+
+// acc (=|+=) dequantized q * sc over n elements (kind: int8 or fp8).
+FLATGRAD_WIRE_CLONES void dequantize_add(const uint8_t* q, float sc, float* acc, int64_t n, int64_t kind, bool first) {
+  if (kind == wire::kInt8) {
+    const int8_t* qi = reinterpret_cast<const int8_t*>(q);
+    if (first) {
+      for (int64_t k = 0; k < n; ++k) acc[k] = static_cast<float>(qi[k]) * sc;
+    } else {
+      for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + static_cast<float>(qi[k]) * sc;
+    }
+  } else if (first) {
+    for (int64_t k = 0; k < n; ++k) acc[k] = fp8_to_float(q[k]) * sc;
+  } else {
+    for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + fp8_to_float(q[k]) * sc;
+  }
+}
+
+template <typename out_t>
+inline void finish_tile(const float* acc, out_t* out, int64_t n, float scale, bool accumulate) {
+  for (int64_t k = 0; k < n; ++k) {
+    float a = scale != 1.0f ? acc[k] * scale : acc[k];
+    out[k] = accumulate ? static_cast<out_t>(static_cast<float>(out[k]) + a) : static_cast<out_t>(a);
+  }
+}
+
+void check_common(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 1, "flatgrad::wire: ", what,
+              " must be a contiguous 1-D CPU tensor");
+}
+
+void wire_sum_cpu(const at::Tensor& recv, int64_t world_size, const at::Tensor& out, double scale, bool accumulate) {
+  check_common(recv, "recv");
+  check_common(out, "out");
+  const int64_t s = out.numel();
+  TORCH_CHECK(world_size >= 1 && recv.numel() == world_size * s, "flatgrad::wire_sum: recv must hold W * S elements");
+  const float fscale = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, recv.scalar_type(), "wire_sum", [&] {
+    using src_t = scalar_t;
+    const src_t* src = recv.const_data_ptr<src_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "wire_sum_out", [&] {
+      using out_t = scalar_t;
+      out_t* dst = out.mutable_data_ptr<out_t>();
+      at::parallel_for(0, s, kGrain, [&](int64_t begin, int64_t end) {
+        float acc[kTile];
+        for (int64_t t = begin; t < end; t += kTile) {
+          const int64_t n = std::min(kTile, end - t);
+          for (int64_t k = 0; k < n; ++k) acc[k] = static_cast<float>(src[t + k]);
+          for (int64_t w = 1; w < world_size; ++w) {
+            const src_t* row = src + w * s + t;
+            for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + static_cast<float>(row[k]);
+          }
+          finish_tile(acc, dst + t, n, fscale, accumulate);
+        }
+      });
+    });
+  });
+}
+
+template <typename src_t>
+void quantize_block(const src_t* src, float* res, int64_t n, int64_t kind, uint8_t* values, float* scale_out) {
+  float x[4096];
+  float absmax = 0.0f;
+  for (int64_t k = 0; k < n; ++k) {
+    float v = static_cast<float>(src[k]);
+    if (res != nullptr) v = v + res[k];
+    x[k] = v;
+    const float a = std::fabs(v);
+    absmax = (a > absmax || a != a) ? a : absmax;
+  }
+  const float scale = absmax / wire::qmax(kind);
+  std::memcpy(scale_out, &scale, sizeof(float));
+  if (scale == 0.0f) {
+    std::memset(values, 0, n);
+    if (res != nullptr) std::copy(x, x + n, res);  // x - 0 * 0
+    return;
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const float y = x[k] / scale;
+    float dq;
+    if (kind == wire::kInt8) {
+      const float r = std::nearbyint(y);  // round half to even (the default rounding mode)
+      const int8_t q = r != r ? int8_t(0) : static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+      values[k] = static_cast<uint8_t>(q);
+      dq = static_cast<float>(q);
+    } else {
+      const c10::Float8_e4m3fn q(std::min(448.0f, std::max(-448.0f, y)));
+      values[k] = q.x;
+      dq = static_cast<float>(q);
+    }
+    if (res != nullptr) res[k] = x[k] - dq * scale;
+  }
+}
+
+void wire_quantize_cpu(const at::Tensor& packed, int64_t world_size, int64_t block, int64_t kind,
+                       const at::Tensor& wire_buf, const std::optional<at::Tensor>& residual) {
+  check_common(packed, "packed");
+  check_common(wire_buf, "wire");
+  TORCH_CHECK(wire_buf.scalar_type() == at::kByte, "flatgrad::wire_quantize: wire must be uint8");
+  TORCH_CHECK(block >= 1 && block <= 4096 && world_size >= 1 && packed.numel() % world_size == 0,
+              "flatgrad::wire_quantize: bad block or world_size");
+  TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, "flatgrad::wire_quantize: kind must be 0 (int8) or 1 (fp8)");
+  const int64_t s = packed.numel() / world_size;
+  const int64_t nb = nblocks(s, block), seg = segment_bytes(s, block);
+  TORCH_CHECK(wire_buf.numel() >= world_size * seg, "flatgrad::wire_quantize: wire too small");
+  float* res = nullptr;
+  if (residual.has_value()) {
+    check_common(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == packed.numel(),
+                "flatgrad::wire_quantize: residual must be fp32 and as large as packed");
+    res = residual->mutable_data_ptr<float>();
+  }
+  uint8_t* out = wire_buf.mutable_data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, packed.scalar_type(), "wire_quantize", [&] {
+    const scalar_t* src = packed.const_data_ptr<scalar_t>();
+    at::parallel_for(0, world_size * nb, std::max<int64_t>(1, kGrain / block), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t w = i / nb, j = i % nb;
+        const int64_t first = j * block, n = std::min(block, s - first);
+        uint8_t* segment = out + w * seg;
+        quantize_block(src + w * s + first, res == nullptr ? nullptr : res + w * s + first, n, kind,
+                       segment + first, reinterpret_cast<float*>(segment + round16(s)) + j);
+      }
+    });
+  });
+}
+
+template <typename out_t>
+void dequantize_sum_typed(const uint8_t* in, int64_t world_size, int64_t s, int64_t block, int64_t kind, out_t* dst,
+                          float fscale, bool accumulate) {
+  const int64_t nb = nblocks(s, block), seg = segment_bytes(s, block);
+  at::parallel_for(0, nb, std::max<int64_t>(1, kGrain / block), [&](int64_t begin, int64_t end) {
+    float acc[4096];
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t first = j * block, n = std::min(block, s - first);
+      for (int64_t w = 0; w < world_size; ++w) {
+        const uint8_t* segment = in + w * seg;
+        float sc;
+        std::memcpy(&sc, segment + round16(s) + 4 * j, sizeof(float));
+        dequantize_add(segment + first, sc, acc, n, kind, w == 0);
+      }
+      finish_tile(acc, dst + first, n, fscale, accumulate);
+    }
+  });
+}
+
+void wire_dequantize_sum_cpu(const at::Tensor& wire_buf, int64_t world_size, int64_t block, int64_t kind,
+                             const at::Tensor& out, double scale, bool accumulate) {
+  check_common(wire_buf, "wire");
+  check_common(out, "out");
+  TORCH_CHECK(wire_buf.scalar_type() == at::kByte, "flatgrad::wire_dequantize_sum: wire must be uint8");
+  TORCH_CHECK(block >= 1 && block <= 4096 && world_size >= 1, "flatgrad::wire_dequantize_sum: bad block or world_size");
+  TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, "flatgrad::wire_dequantize_sum: kind must be 0 or 1");
+  const int64_t s = out.numel();
+  TORCH_CHECK(wire_buf.numel() >= world_size * segment_bytes(s, block), "flatgrad::wire_dequantize_sum: wire too small");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "wire_dequantize_sum", [&] {
+    dequantize_sum_typed<scalar_t>(wire_buf.const_data_ptr<uint8_t>(), world_size, s, block, kind,
+                                   out.mutable_data_ptr<scalar_t>(), static_cast<float>(scale), accumulate);
+  });
+}
+
+}  // namespace
+}  // namespace flatgrad
+
+TORCH_LIBRARY_FRAGMENT(flatgrad, m) {
+  m.def("wire_sum(Tensor recv, int world_size, Tensor(a!) out, float scale, bool accumulate) -> ()");
+  m.def("wire_quantize(Tensor packed, int world_size, int block, int kind, Tensor(a!) wire, Tensor(b!)? residual) -> ()");
+  m.def("wire_dequantize_sum(Tensor wire, int world_size, int block, int kind, Tensor(a!) out, float scale, "
+        "bool accumulate) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(flatgrad, CPU, m) {
+  m.impl("wire_sum", &flatgrad::wire_sum_cpu);
+  m.impl("wire_quantize", &flatgrad::wire_quantize_cpu);
+  m.impl("wire_dequantize_sum", &flatgrad::wire_dequantize_sum_cpu);
+}

@@ -1,0 +1,202 @@
+"""The wire kernels of the all_to_all reduction modes, on every backend.
+
+Public wrappers validate their arguments once, then dispatch to a backend:
+
+* ``torch``: ``wire_reference`` (the oracle; see [Note: wire format] and
+  [Note: wire arithmetic contract] there);
+* ``cpu`` / ``cuda``: the compiled ops ``torch.ops.flatgrad.wire_*``
+  (``csrc/wire.cpp``, ``csrc/cuda/wire.cu``);
+* ``triton``: ``wire_triton``.
+
+``WireKernels`` (from ``wire_kernels(name)``) skips the checks; the reducer
+validates its buffers once at construction and calls it on the hot path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+
+from . import wire_reference
+from ._plan import DTYPES
+from .wire_reference import KINDS, QMAX, nblocks, segment_bytes
+
+__all__ = [
+    "KINDS", "QMAX", "MIN_BLOCK", "MAX_BLOCK", "WireKernels", "check_block", "check_kind", "dequantize_sum",
+    "nblocks", "quantize", "segment_bytes", "sum_sources", "wire_kernels",
+]  # fmt: skip
+
+MIN_BLOCK, MAX_BLOCK = 32, 4096
+_KIND_CODES = {"int8": 0, "fp8": 1}
+
+
+def check_block(block: object, key: str = "block") -> int:
+    """``block`` if it is a power of two in [32, 4096], else a ValueError naming ``key``."""
+    if isinstance(block, bool) or not isinstance(block, int) or not MIN_BLOCK <= block <= MAX_BLOCK or block & (block - 1):
+        raise ValueError(f"{key} must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}], got {block!r}")
+    return block
+
+
+def check_kind(kind: object, key: str = "kind") -> str:
+    """``kind`` if it is a quantized wire kind this torch supports, else a ValueError naming ``key``."""
+    if kind not in KINDS:
+        raise ValueError(f"{key} must be one of {KINDS}, got {kind!r}")
+    if kind == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        raise ValueError(f"{key}='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} lacks")
+    return kind
+
+
+class WireKernels(Protocol):
+    name: str
+
+    def sum_sources(self, recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None: ...
+
+    def quantize(
+        self, packed: torch.Tensor, world_size: int, block: int, kind: str, wire: torch.Tensor, residual: torch.Tensor | None
+    ) -> None: ...
+
+    def dequantize_sum(
+        self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float, accumulate: bool
+    ) -> None: ...
+
+
+class _Reference:
+    name = "torch"
+    sum_sources = staticmethod(wire_reference.sum_sources)
+    quantize = staticmethod(wire_reference.quantize)
+    dequantize_sum = staticmethod(wire_reference.dequantize_sum)
+
+
+class _Compiled:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def sum_sources(self, recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None:
+        torch.ops.flatgrad.wire_sum(recv, world_size, out, scale, accumulate)
+
+    def quantize(
+        self, packed: torch.Tensor, world_size: int, block: int, kind: str, wire: torch.Tensor, residual: torch.Tensor | None
+    ) -> None:
+        torch.ops.flatgrad.wire_quantize(packed, world_size, block, _KIND_CODES[kind], wire, residual)
+
+    def dequantize_sum(
+        self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float, accumulate: bool
+    ) -> None:
+        torch.ops.flatgrad.wire_dequantize_sum(wire, world_size, block, _KIND_CODES[kind], out, scale, accumulate)
+
+
+@functools.lru_cache(maxsize=None)
+def _register_fakes() -> None:
+    """Shape-only implementations of the compiled wire ops (they return nothing), for ``torch.compile``."""
+
+    @torch.library.register_fake("flatgrad::wire_sum")
+    def _sum_fake(recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None:
+        return None
+
+    @torch.library.register_fake("flatgrad::wire_quantize")
+    def _quantize_fake(
+        packed: torch.Tensor, world_size: int, block: int, kind: int, wire: torch.Tensor, residual: torch.Tensor | None
+    ) -> None:
+        return None
+
+    @torch.library.register_fake("flatgrad::wire_dequantize_sum")
+    def _dequantize_sum_fake(
+        wire: torch.Tensor, world_size: int, block: int, kind: int, out: torch.Tensor, scale: float, accumulate: bool
+    ) -> None:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def wire_kernels(name: str) -> WireKernels:
+    """The wire kernels of backend ``name`` (``torch``, ``cpu``, ``cuda``, ``triton``)."""
+    if name == "torch":
+        return _Reference()
+    if name in ("cpu", "cuda"):
+        from . import compiled
+
+        missing = compiled._load()
+        if missing:
+            raise RuntimeError(f"the {name} wire kernels need {missing}")
+        if not hasattr(torch.ops.flatgrad, "wire_sum"):
+            raise RuntimeError("flatgrad._C has no wire kernels (built before csrc/wire.cpp existed): rebuild it")
+        _register_fakes()
+        return _Compiled(name)
+    if name == "triton":
+        from . import wire_triton
+
+        return wire_triton.Backend()
+    raise ValueError(f"unknown wire backend {name!r}")
+
+
+def _backend(backend: str | None, device: torch.device) -> WireKernels:
+    if backend is None:
+        backend = "cuda" if device.type == "cuda" else "cpu"
+    return wire_kernels(backend)
+
+
+def _check_world(world_size: object, numel: int, what: str) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if numel % world_size:
+        raise ValueError(f"{what} has {numel} elements, not a multiple of world_size {world_size}")
+    return world_size
+
+
+def _check_flat(t: torch.Tensor, what: str, dtypes: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{what} has dtype {t.dtype}; expected one of {dtypes}")
+
+
+def sum_sources(
+    recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False,
+    backend: str | None = None,
+) -> None:  # fmt: skip
+    """``out (=|+=) scale * sum_w float32(recv chunk w)``, fp32, rank order (``exact`` mode's unpack)."""
+    _check_flat(recv, "recv", DTYPES)
+    _check_flat(out, "out", DTYPES)
+    _check_world(world_size, recv.numel(), "recv")
+    if recv.numel() != world_size * out.numel() or recv.device != out.device:
+        raise ValueError(f"recv must hold world_size * out.numel() elements on out's device, got {recv.numel()}")
+    _backend(backend, out.device).sum_sources(recv, world_size, out, float(scale), bool(accumulate))
+
+
+def quantize(
+    packed: torch.Tensor, world_size: int, block: int, kind: str, wire: torch.Tensor,
+    residual: torch.Tensor | None = None, backend: str | None = None,
+) -> None:  # fmt: skip
+    """Write ``packed``'s ``W`` chunks into the quantized ``wire`` (see [Note: wire format])."""
+    _check_flat(packed, "packed", DTYPES)
+    _check_world(world_size, packed.numel(), "packed")
+    check_block(block)
+    check_kind(kind)
+    s = packed.numel() // world_size
+    _check_flat(wire, "wire", (torch.uint8,))
+    if wire.numel() < world_size * segment_bytes(s, block) or wire.device != packed.device:
+        raise ValueError(f"wire needs {world_size * segment_bytes(s, block)} bytes on packed's device")
+    if residual is not None:
+        _check_flat(residual, "residual", (torch.float32,))
+        if residual.numel() != packed.numel() or residual.device != packed.device:
+            raise ValueError("residual must be fp32, as large as packed, on its device")
+    _backend(backend, packed.device).quantize(packed, world_size, block, kind, wire, residual)
+
+
+def dequantize_sum(
+    wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float = 1.0,
+    accumulate: bool = False, backend: str | None = None,
+) -> None:  # fmt: skip
+    """``out (=|+=) scale * sum_w dequantize(segment w)``, fp32, rank order (int8/fp8 modes' unpack)."""
+    _check_flat(wire, "wire", (torch.uint8,))
+    _check_flat(out, "out", DTYPES)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_block(block)
+    check_kind(kind)
+    if wire.numel() < world_size * segment_bytes(out.numel(), block) or wire.device != out.device:
+        raise ValueError(f"wire needs {world_size * segment_bytes(out.numel(), block)} bytes on out's device")
+    _backend(backend, out.device).dequantize_sum(wire, world_size, block, kind, out, float(scale), bool(accumulate))

@@ -1,0 +1,156 @@
+"""The pure-PyTorch reference of the wire kernels (reduction modes ``exact``, ``int8``, ``fp8``): the oracle.
+
+The wire kernels serve the reduction modes that replace the reduce_scatter by
+one ``all_to_all`` (see DESIGN.md, "Reduction modes"): the packed buffer holds
+``W`` chunks of ``S`` elements, chunk ``r`` for rank ``r``; after the
+all_to_all, source ``w`` of the receive buffer is what rank ``w`` sent to this
+rank. Three operations:
+
+* ``sum_sources``: ``exact`` mode's unpack; the sources are comm-dtype chunks.
+* ``quantize``: the int8/fp8 modes' pack side; writes the wire format from the
+  packed buffer (optionally adding and updating an error-feedback residual).
+* ``dequantize_sum``: the int8/fp8 modes' unpack.
+
+[Note: wire format]
+A quantized wire buffer is ``uint8``, ``W`` segments of ``segment_bytes(S, block)``
+bytes, one per destination rank (gloo refuses float8 tensors, so bytes travel as
+bytes). Segment layout, offsets in bytes:
+
+* ``[0, S)``: the ``S`` quantized values (int8, or float8 e4m3fn bits);
+* ``[round16(S), round16(S) + 4 * nblocks)``: ``nblocks = ceil(S / block)`` fp32
+  scales, native byte order, block ``j`` covering elements ``[j * block, (j + 1) * block)``
+  of the segment (the last block may be short);
+* the rest (at most 15 + 15 bytes) is padding and never read.
+
+``segment_bytes(S, block) = round16(S) + round16(4 * nblocks)``. Against a bf16 wire
+(``2 * S`` bytes) that is ``0.5 + 2 / block`` of it for large ``S`` (0.508 at block 256).
+
+[Note: wire arithmetic contract]
+All arithmetic is fp32, round-to-nearest-even, no fused multiply-add.
+
+* Quantize, per block of a segment: ``x = float32(packed)`` (``+ residual``, one fp32
+  add, with error feedback); ``absmax = max |x|``; ``scale = absmax / Q`` (one fp32
+  division; ``Q = 127`` for int8, ``448`` for fp8 e4m3fn). If ``scale == 0`` the
+  block is all zeros. Otherwise ``y = x / scale`` (fp32 division, not a reciprocal
+  multiply), then int8: ``clamp(round_half_even(y), -127, 127)``; fp8:
+  ``float8_e4m3fn(clamp(y, -448, 448))`` (saturating, torch's RNE cast).
+  With error feedback the residual becomes ``x - float32(q) * scale``.
+* Dequantize: ``v_w = float32(q_w) * scale_w`` (one fp32 multiply).
+* Sum (both unpacks): ``acc = v_0``, then ``acc = acc + v_w`` for ``w = 1 .. W-1``,
+  in that order (``v_w = float32(source_w)`` for ``exact``). Then ``acc = acc * post``
+  if ``post != 1``; ``out = cast(acc)``, or with ``accumulate``
+  ``out = cast(float32(out) + acc)``.
+* A block holding inf or NaN produces non-finite values; their bits are not
+  part of the contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = {"int8": 127.0, "fp8": 448.0}
+KINDS = tuple(QMAX)
+
+
+def round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def nblocks(shard_numel: int, block: int) -> int:
+    return (shard_numel + block - 1) // block
+
+
+def segment_bytes(shard_numel: int, block: int) -> int:
+    """Bytes of one rank's segment of a quantized wire buffer. See [Note: wire format]."""
+    return round16(shard_numel) + round16(4 * nblocks(shard_numel, block))
+
+
+def value_dtype(kind: str) -> torch.dtype:
+    return torch.int8 if kind == "int8" else torch.float8_e4m3fn
+
+
+def wire_views(wire: torch.Tensor, world_size: int, shard_numel: int, block: int, kind: str):
+    """``(values[W, S], scales[W, nblocks])`` views of a quantized wire buffer (``uint8``)."""
+    seg = segment_bytes(shard_numel, block)
+    rows = wire[: world_size * seg].view(world_size, seg)
+    values = rows[:, :shard_numel].view(value_dtype(kind))
+    start = round16(shard_numel)
+    scales = rows[:, start : start + 4 * nblocks(shard_numel, block)].view(torch.float32)
+    return values, scales
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``[W, S]`` -> ``[W, nblocks, block]``, zero-padded."""
+    w, s = x.shape
+    padded = x.new_zeros(w, nblocks(s, block) * block)
+    padded[:, :s] = x
+    return padded.view(w, -1, block)
+
+
+@torch.no_grad()
+def quantize(
+    packed: torch.Tensor,
+    world_size: int,
+    block: int,
+    kind: str,
+    wire: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> None:
+    """Write the wire format of ``packed`` (``W * S`` elements) into ``wire``; update ``residual`` if given."""
+    s = packed.numel() // world_size
+    x = packed.view(world_size, s).to(torch.float32)
+    if residual is not None:
+        x = x + residual.view(world_size, s)
+    xb = _blocks(x, block)
+    scale = xb.abs().amax(dim=-1) / QMAX[kind]
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    y = torch.where(scale[..., None] == 0, torch.zeros_like(xb), xb / safe[..., None])
+    if kind == "int8":
+        q = torch.round(y).clamp(-127.0, 127.0).to(torch.int8)
+    else:
+        q = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    values, scales = wire_views(wire, world_size, s, block, kind)
+    values.copy_(q.view(world_size, -1)[:, :s])
+    scales.copy_(scale)
+    if residual is not None:
+        deq = (q.to(torch.float32) * scale[..., None]).view(world_size, -1)[:, :s]
+        residual.view(world_size, s).copy_(x - deq)
+
+
+def _finish(acc: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool) -> None:
+    if scale != 1.0:
+        acc = acc * scale
+    if accumulate:
+        out.copy_((out.to(torch.float32) + acc).to(out.dtype))
+    else:
+        out.copy_(acc.to(out.dtype))
+
+
+@torch.no_grad()
+def sum_sources(recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None:
+    """``out (=|+=) scale * sum_w float32(recv[w])`` in rank order; ``recv`` holds ``W`` chunks of ``out.numel()``."""
+    sources = recv.view(world_size, -1)
+    acc = sources[0].to(torch.float32)
+    for w in range(1, world_size):
+        acc = acc + sources[w].to(torch.float32)
+    _finish(acc, out, scale, accumulate)
+
+
+@torch.no_grad()
+def dequantize_sum(
+    wire: torch.Tensor,
+    world_size: int,
+    block: int,
+    kind: str,
+    out: torch.Tensor,
+    scale: float,
+    accumulate: bool,
+) -> None:
+    """``out (=|+=) scale * sum_w dequantize(wire segment w)`` in rank order (``S = out.numel()``)."""
+    s = out.numel()
+    values, scales = wire_views(wire, world_size, s, block, kind)
+    expanded = scales.repeat_interleave(block, dim=1)[:, :s]
+    acc = values[0].to(torch.float32) * expanded[0]
+    for w in range(1, world_size):
+        acc = acc + values[w].to(torch.float32) * expanded[w]
+    _finish(acc, out, scale, accumulate)

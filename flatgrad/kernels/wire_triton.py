@@ -1,0 +1,214 @@
+"""The wire kernels (see ``wire.py``) in Triton: CUDA tensors, or CPU tensors under the interpreter.
+
+Arithmetic is the reference's ([Note: wire arithmetic contract] in
+``wire_reference.py``), launched with ``enable_fp_fusion=False`` so that no
+multiply-add becomes an FMA. Three choices keep it bitwise on the interpreter
+and on sm_90 alike, where Triton's own conversions differ between them:
+
+* bf16 <-> fp32 uses ``triton_backend``'s integer conversions (see [Note: triton casts]);
+* fp32 divisions are ``div_rn`` (IEEE), not Triton's default approximate ``/``;
+* int8 rounding is the ``(y + 1.5 * 2**23) - 1.5 * 2**23`` trick (round half to
+  even for ``|y| < 2**22``), and fp8 e4m3fn is encoded and decoded with integer
+  bit operations (the same trick at the value's quantum), so no backend-specific
+  float8 cast is involved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_backend import _from_f32, _jit, _to_f32, tl, triton
+from .wire_reference import nblocks, round16, segment_bytes
+
+_KINDS = {"int8": 0, "fp8": 1}
+_SUM_BLOCK = 1024
+_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+
+
+@_jit
+def _rne_int(y):
+    """Round to the nearest integer, ties to even, for |y| < 2**22 (fp32 addition rounds to nearest even)."""
+    return (y + 12582912.0) - 12582912.0
+
+
+@_jit
+def _fp8_encode(y):
+    """fp32 in [-448, 448] -> e4m3fn bits (int32 0..255), rounding to nearest even."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = tl.abs(y)
+    exponent = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
+    exponent = tl.maximum(exponent, 127 - 6)  # below 2**-6 the quantum is the subnormals' 2**-9
+    # 1.5 * 2**(exponent - 127 - 3 + 23): adding and subtracting it rounds a to a multiple of 2**(exponent - 130).
+    magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    rb = r.to(tl.uint32, bitcast=True)
+    r_exp = ((rb >> 23) & 0xFF).to(tl.int32)
+    normal = ((r_exp - 120) << 3) | ((rb >> 20) & 7).to(tl.int32)
+    subnormal = _rne_int(r * 512.0).to(tl.int32)
+    code = tl.where(r >= 0.015625, normal, subnormal)
+    return code | (sign.to(tl.int32) << 7)
+
+
+@_jit
+def _fp8_decode(code):
+    """e4m3fn bits (int32 0..255) -> fp32, exactly (0x7F / 0xFF are NaN)."""
+    sign = (code >> 7) & 1
+    e = (code >> 3) & 0xF
+    m = code & 7
+    normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    subnormal = m.to(tl.float32) * 0.001953125
+    subnormal = tl.where(sign == 1, -subnormal, subnormal)
+    value = tl.where(e == 0, subnormal, normal)
+    return tl.where((code & 0x7F) == 0x7F, float("nan"), value)
+
+
+@_jit
+def _finish(acc, out_ptr, offs, mask, scale, ACCUMULATE: tl.constexpr):
+    if scale != 1.0:
+        acc = acc * scale
+    if ACCUMULATE:
+        acc = _to_f32(tl.load(out_ptr + offs, mask=mask, other=0)) + acc
+    tl.store(out_ptr + offs, _from_f32(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _sum_kernel(src_ptr, out_ptr, shard_numel, world_size, scale, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program sums ``BLOCK`` elements of the ``W`` sources in rank order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < shard_numel
+    acc = _to_f32(tl.load(src_ptr + offs, mask=mask, other=0))
+    for w in range(1, world_size):
+        acc = acc + _to_f32(tl.load(src_ptr + w * shard_numel + offs, mask=mask, other=0))
+    _finish(acc, out_ptr, offs, mask, scale, ACCUMULATE)
+
+
+@_jit
+def _quantize_kernel(
+    src_ptr, res_ptr, values_ptr, scales_ptr, shard_numel, seg, scales_at, nblocks,
+    KIND: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program quantizes one block of one destination's segment."""
+    pid = tl.program_id(0).to(tl.int64)
+    w = pid // nblocks
+    j = pid % nblocks
+    first = j * BLOCK
+    offs = tl.arange(0, BLOCK)
+    mask = first + offs < shard_numel
+    x = _to_f32(tl.load(src_ptr + w * shard_numel + first + offs, mask=mask, other=0))
+    if HAS_RES:
+        x = x + tl.load(res_ptr + w * shard_numel + first + offs, mask=mask, other=0.0)
+    x = tl.where(mask, x, 0.0)
+    absmax = tl.max(tl.abs(x), axis=0)
+    absmax = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), absmax)  # max() may drop NaN
+    if KIND == 0:
+        scale = tl.math.div_rn(absmax, 127.0)
+    else:
+        scale = tl.math.div_rn(absmax, 448.0)
+    zero = scale == 0.0
+    y = tl.math.div_rn(x, tl.where(zero, 1.0, scale))
+    y = tl.where(zero, 0.0, y)
+    if KIND == 0:
+        dq = tl.minimum(tl.maximum(_rne_int(y), -127.0), 127.0)
+        code = dq.to(tl.int32)
+    else:
+        code = _fp8_encode(tl.minimum(tl.maximum(y, -448.0), 448.0))
+        dq = _fp8_decode(code)
+    tl.store(values_ptr + w * seg + first + offs, code.to(tl.int8), mask=mask)
+    tl.store(scales_ptr + (w * seg + scales_at) // 4 + j, scale)
+    if HAS_RES:
+        tl.store(res_ptr + w * shard_numel + first + offs, x - dq * scale, mask=mask)
+
+
+@_jit
+def _dequantize_sum_kernel(
+    values_ptr, scales_ptr, out_ptr, shard_numel, seg, scales_at, world_size, scale,
+    KIND: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program dequantizes and sums, in rank order, one block of the ``W`` segments."""
+    j = tl.program_id(0).to(tl.int64)
+    offs = j * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < shard_numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for w in range(0, world_size):
+        raw = tl.load(values_ptr + w * seg + offs, mask=mask, other=0).to(tl.int32)
+        if KIND == 0:
+            q = raw.to(tl.float32)
+        else:
+            q = _fp8_decode(raw & 0xFF)
+        v = q * tl.load(scales_ptr + (w * seg + scales_at) // 4 + j)
+        acc = tl.where(w == 0, v, acc + v)
+    _finish(acc, out_ptr, offs, mask, scale, ACCUMULATE)
+
+
+class Backend:
+    """The ``triton`` wire kernels (launchers: the checks are ``wire.py``'s)."""
+
+    name = "triton"
+
+    def sum_sources(self, recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None:
+        s = out.numel()
+        grid = (triton.cdiv(s, _SUM_BLOCK),)
+        _sum_kernel[grid](recv, out, s, world_size, scale, ACCUMULATE=accumulate, BLOCK=_SUM_BLOCK, **_OPTIONS)
+
+    def quantize(
+        self, packed: torch.Tensor, world_size: int, block: int, kind: str, wire: torch.Tensor, residual: torch.Tensor | None
+    ) -> None:
+        s = packed.numel() // world_size
+        nb = nblocks(s, block)
+        wire = wire[: world_size * segment_bytes(s, block)]
+        _quantize_kernel[(world_size * nb,)](
+            packed, residual if residual is not None else packed, wire.view(torch.int8), wire.view(torch.float32), s,
+            segment_bytes(s, block), round16(s), nb, KIND=_KINDS[kind], HAS_RES=residual is not None, BLOCK=block,
+            **_OPTIONS,
+        )  # fmt: skip
+
+    def dequantize_sum(
+        self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float, accumulate: bool
+    ) -> None:
+        s = out.numel()
+        wire = wire[: world_size * segment_bytes(s, block)]
+        _dequantize_sum_kernel[(nblocks(s, block),)](
+            wire.view(torch.int8), wire.view(torch.float32), out, s, segment_bytes(s, block), round16(s), world_size,
+            scale, KIND=_KINDS[kind], ACCUMULATE=accumulate, BLOCK=block, **_OPTIONS,
+        )  # fmt: skip
+
+
+def kernel_specs(block: int = 256) -> list:
+    """Every (kernel, specialisation) the launchers use, at quantization ``block``, for ``.ci/triton_compile.py``."""
+    from .triton_backend import KernelSpec
+
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    specs = []
+    for src in short.values():
+        for out in short.values():
+            for accumulate in (False, True):
+                signature = {
+                    "src_ptr": f"*{src}", "out_ptr": f"*{out}", "shard_numel": "i64", "world_size": "i32",
+                    "scale": "fp32", "ACCUMULATE": "constexpr", "BLOCK": "constexpr",
+                }  # fmt: skip
+                constexprs = {"ACCUMULATE": accumulate, "BLOCK": _SUM_BLOCK}
+                name = f"_sum_kernel[{src}->{out}{',accumulate' if accumulate else ''}]"
+                specs.append(KernelSpec(name, _sum_kernel, signature, constexprs, dict(_OPTIONS)))
+    for kind, code in _KINDS.items():
+        for src in short.values():
+            for has_res in (False, True):
+                signature = {
+                    "src_ptr": f"*{src}", "res_ptr": "*fp32" if has_res else f"*{src}", "values_ptr": "*i8",
+                    "scales_ptr": "*fp32", "shard_numel": "i64", "seg": "i64", "scales_at": "i64", "nblocks": "i64",
+                    "KIND": "constexpr", "HAS_RES": "constexpr", "BLOCK": "constexpr",
+                }  # fmt: skip
+                constexprs = {"KIND": code, "HAS_RES": has_res, "BLOCK": block}
+                name = f"_quantize_kernel[{src}->{kind}{',residual' if has_res else ''}]"
+                specs.append(KernelSpec(name, _quantize_kernel, signature, constexprs, dict(_OPTIONS)))
+        for out in short.values():
+            for accumulate in (False, True):
+                signature = {
+                    "values_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": f"*{out}", "shard_numel": "i64",
+                    "seg": "i64", "scales_at": "i64", "world_size": "i32", "scale": "fp32",
+                    "KIND": "constexpr", "ACCUMULATE": "constexpr", "BLOCK": "constexpr",
+                }  # fmt: skip
+                constexprs = {"KIND": code, "ACCUMULATE": accumulate, "BLOCK": block}
+                name = f"_dequantize_sum_kernel[{kind}->{out}{',accumulate' if accumulate else ''}]"
+                specs.append(KernelSpec(name, _dequantize_sum_kernel, signature, constexprs, dict(_OPTIONS)))
+    return specs

@@ -1,0 +1,205 @@
+"""The wire kernels (flatgrad/kernels/wire.py): every backend bitwise against the torch reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatgrad.kernels import wire, wire_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BLOCKS = [32, 64, 256, 4096]
+
+
+def _backends() -> list[str]:
+    names = ["cpu"]
+    if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("flatgrad.kernels.wire_triton"):
+        names.append("triton")
+    return names
+
+
+def _gradients(world_size: int, shard_numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random gradients with blocks of very different magnitudes, some all-zero runs and exact ties."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(world_size * shard_numel, generator=gen)
+    x = x * torch.exp2(torch.randint(-12, 6, (world_size * shard_numel // 64 + 1,), generator=gen)).repeat_interleave(64)[: x.numel()]
+    x[(torch.arange(x.numel()) // 97) % 5 == 0] = 0.0
+    return x.to(dtype)
+
+
+def _wire_buffer(world_size: int, shard_numel: int, block: int) -> torch.Tensor:
+    return torch.full((world_size * wire.segment_bytes(shard_numel, block),), 0xAB, dtype=torch.uint8)
+
+
+def _meaningful(w: torch.Tensor, world_size: int, s: int, block: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    values, scales = wire_reference.wire_views(w, world_size, s, block, kind)
+    return values.view(torch.uint8).clone(), scales.clone()
+
+
+@pytest.mark.parametrize("backend", _backends())
+@settings(max_examples=25, deadline=None)
+@given(
+    world_size=st.integers(1, 5),
+    shard_numel=st.integers(1, 700),
+    dtype=st.sampled_from(DTYPES),
+    block=st.sampled_from(BLOCKS),
+    kind=st.sampled_from(wire.KINDS),
+    feedback=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_matches_reference(backend, world_size, shard_numel, dtype, block, kind, feedback, seed):
+    packed = _gradients(world_size, shard_numel, dtype, seed)
+    residual = (torch.randn(packed.numel(), generator=torch.Generator().manual_seed(seed)) * 1e-3) if feedback else None
+    results = []
+    for name in ("torch", backend):
+        w = _wire_buffer(world_size, shard_numel, block)
+        r = None if residual is None else residual.clone()
+        wire.quantize(packed, world_size, block, kind, w, r, backend=name)
+        results.append((*_meaningful(w, world_size, shard_numel, block, kind), r))
+    (v0, s0, r0), (v1, s1, r1) = results
+    assert torch.equal(s0, s1), "scales differ"
+    assert torch.equal(v0, v1), f"values differ at {(v0 != v1).nonzero()[:5].tolist()}"
+    if feedback:
+        assert torch.equal(r0, r1), "residuals differ"
+
+
+@pytest.mark.parametrize("backend", _backends())
+@settings(max_examples=25, deadline=None)
+@given(
+    world_size=st.integers(1, 5),
+    shard_numel=st.integers(1, 700),
+    out_dtype=st.sampled_from(DTYPES),
+    block=st.sampled_from(BLOCKS),
+    kind=st.sampled_from(wire.KINDS),
+    scale=st.sampled_from([1.0, 0.25, 1 / 3]),
+    accumulate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_dequantize_sum_matches_reference(backend, world_size, shard_numel, out_dtype, block, kind, scale, accumulate, seed):
+    w = _wire_buffer(world_size, shard_numel, block)
+    wire.quantize(_gradients(world_size, shard_numel, torch.float32, seed), world_size, block, kind, w, backend="torch")
+    start = torch.randn(shard_numel, generator=torch.Generator().manual_seed(seed + 1)).to(out_dtype)
+    outs = []
+    for name in ("torch", backend):
+        out = start.clone()
+        wire.dequantize_sum(w, world_size, block, kind, out, scale, accumulate, backend=name)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), f"differ at {(outs[0] != outs[1]).nonzero()[:5].tolist()}"
+
+
+@pytest.mark.parametrize("backend", _backends())
+@settings(max_examples=25, deadline=None)
+@given(
+    world_size=st.integers(1, 6),
+    shard_numel=st.integers(1, 3000),
+    src_dtype=st.sampled_from(DTYPES),
+    out_dtype=st.sampled_from(DTYPES),
+    scale=st.sampled_from([1.0, 0.25, 1 / 3]),
+    accumulate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_sum_sources_matches_reference(backend, world_size, shard_numel, src_dtype, out_dtype, scale, accumulate, seed):
+    recv = _gradients(world_size, shard_numel, src_dtype, seed)
+    start = torch.randn(shard_numel, generator=torch.Generator().manual_seed(seed + 1)).to(out_dtype)
+    outs = []
+    for name in ("torch", backend):
+        out = start.clone()
+        wire.sum_sources(recv, world_size, out, scale, accumulate, backend=name)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), f"differ at {(outs[0] != outs[1]).nonzero()[:5].tolist()}"
+
+
+def test_reference_sums_in_rank_order():
+    """fp32 addition is not associative: (1e8 + 1) - 1e8 is 0 in rank order 0, 1, 2, and 1 in order 1, 2, 0."""
+    recv = torch.tensor([1e8, 1.0, -1e8])
+    out = torch.empty(1)
+    wire_reference.sum_sources(recv, 3, out, 1.0, False)
+    assert out.item() == 0.0
+
+
+def test_reference_quantize_contract():
+    """absmax/127 scales, round half to even, zero blocks, fp8 saturation."""
+    x = torch.tensor([127.0, 2.5, -3.5, 0.5] + [0.0] * 4)
+    w = _wire_buffer(2, 4, 32)
+    wire_reference.quantize(x, 2, 32, "int8", w, None)
+    values, scales = wire_reference.wire_views(w, 2, 4, 32, "int8")
+    assert values[0].tolist() == [127, 2, -4, 0] and scales.tolist() == [[1.0], [0.0]]
+    assert values[1].tolist() == [0, 0, 0, 0]
+    y = torch.tensor([448.0, 1000.0 * (448 / 1000), -1e-9, 0.0])
+    wire_reference.quantize(y, 1, 32, "fp8", w, None)
+    values, scales = wire_reference.wire_views(w, 1, 4, 32, "fp8")
+    assert scales.item() == 1.0 and values[0].to(torch.float32).tolist()[:2] == [448.0, 448.0]
+
+
+@pytest.mark.parametrize("kind", wire.KINDS)
+def test_wire_bytes_at_most_053_of_bf16(kind):
+    for s in (4096, 100_003, 1 << 20):
+        assert wire.segment_bytes(s, 256) <= 0.53 * 2 * s, s
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+def test_error_feedback_carries_the_error(backend):
+    """Quantizing the same gradient twice with feedback: the two dequantized sends average closer to it."""
+    g = _gradients(2, 512, torch.float32, 3)
+    res = torch.zeros_like(g)
+    sent = []
+    for _ in range(2):
+        w = _wire_buffer(2, 512, 256)
+        wire.quantize(g, 2, 256, "int8", w, res, backend=backend)
+        values, scales = wire_reference.wire_views(w, 2, 512, 256, "int8")
+        sent.append(values.to(torch.float32) * scales.repeat_interleave(256, 1))
+    once = (sent[0].reshape(-1) - g).abs().sum()
+    twice = ((sent[0] + sent[1]).reshape(-1) / 2 - g).abs().sum()
+    assert twice < once
+    torch.testing.assert_close((sent[0] + sent[1]).reshape(-1) + res, 2 * g)  # nothing is lost, only delayed
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+@pytest.mark.parametrize("kind", wire.KINDS)
+def test_nonfinite_input_gives_nonfinite_output(backend, kind):
+    g = torch.ones(2 * 64)
+    g[5] = float("nan")
+    w = _wire_buffer(2, 64, 32)
+    wire.quantize(g, 2, 32, kind, w, backend=backend)
+    out = torch.zeros(64)
+    wire.dequantize_sum(w, 2, 32, kind, out, backend=backend)
+    assert not torch.isfinite(out[:32]).all()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: wire.quantize(torch.zeros(8), 2, 48, "int8", torch.zeros(999, dtype=torch.uint8)), "block"),
+        (lambda: wire.quantize(torch.zeros(8), 2, 8192, "int8", torch.zeros(999, dtype=torch.uint8)), "block"),
+        (lambda: wire.quantize(torch.zeros(8), 2, 32, "int4", torch.zeros(999, dtype=torch.uint8)), "kind"),
+        (lambda: wire.quantize(torch.zeros(8), 3, 32, "int8", torch.zeros(999, dtype=torch.uint8)), "multiple"),
+        (lambda: wire.quantize(torch.zeros(8), 2, 32, "int8", torch.zeros(9, dtype=torch.uint8)), "bytes"),
+        (lambda: wire.sum_sources(torch.zeros(8), 2, torch.zeros(3)), "recv"),
+        (lambda: wire.dequantize_sum(torch.zeros(999), 2, 32, "int8", torch.zeros(3)), "wire"),
+    ],
+)
+def test_bad_input_names_the_argument(call, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call()
+
+
+def test_fp8_refused_by_name_without_float8(monkeypatch):
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="reduction.*fp8|fp8.*float8"):
+        wire.check_kind("fp8", "reduction")
+
+
+def test_compiled_ops_have_fakes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    wire.wire_kernels("cpu")
+    with FakeTensorMode():
+        out = torch.empty(4)
+        torch.ops.flatgrad.wire_sum(torch.empty(8), 2, out, 1.0, False)
+        torch.ops.flatgrad.wire_dequantize_sum(torch.empty(200, dtype=torch.uint8), 2, 32, 0, out, 1.0, True)
+        torch.ops.flatgrad.wire_quantize(torch.empty(8), 2, 32, 1, torch.empty(200, dtype=torch.uint8), None)
