@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace flatgrad {
@@ -36,17 +37,37 @@ void note_peak(int64_t now) {
   }
 }
 
-// What a counted DataPtr owns: the inner allocator's DataPtr and the size to give back.
-struct Counted {
+// Live counted blocks: address -> (the inner allocator's DataPtr, size). A DataPtr
+// handed out is "simple" (its context is its address), as code that calls
+// raw_allocate / raw_deleter (oneDNN, for one) requires; the map finds the rest.
+struct Block {
   c10::DataPtr inner;
   int64_t nbytes;
 };
+std::mutex g_mutex;
+std::unordered_map<void*, Block> g_live;
 
-void free_counted(void* context) {
-  auto* counted = static_cast<Counted*>(context);
-  g_allocated.fetch_sub(counted->nbytes, std::memory_order_relaxed);
-  delete counted;  // frees through the inner DataPtr's own deleter
-}
+// The inner allocator's raw deleter: some callers cache the allocator they allocate
+// with (possibly torch's own, before installation) but look up the current one's
+// raw_deleter() to free; such a block is not ours and goes back where it came from.
+c10::DeleterFnPtr g_inner_raw_deleter = nullptr;
+
+void free_counted(void* data) {
+  Block block;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_live.find(data);
+    if (it == g_live.end()) {
+      if (g_inner_raw_deleter != nullptr) {
+        g_inner_raw_deleter(data);
+      }
+      return;
+    }
+    block = std::move(it->second);
+    g_live.erase(it);
+  }
+  g_allocated.fetch_sub(block.nbytes, std::memory_order_relaxed);
+}  // block.inner frees the memory through the inner allocator's own deleter
 
 class CountingAllocator final : public c10::Allocator {
  public:
@@ -55,14 +76,21 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DataPtr inner = inner_->allocate(nbytes);
     void* data = inner.get();
+    if (data == nullptr) {
+      return inner;  // nothing allocated (zero bytes): nothing to count
+    }
     c10::Device device = inner.device();
-    auto* counted = new Counted{std::move(inner), static_cast<int64_t>(nbytes)};
-    note_peak(g_allocated.fetch_add(counted->nbytes, std::memory_order_relaxed) + counted->nbytes);
-    return {data, counted, &free_counted, device};
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      g_live.emplace(data, Block{std::move(inner), static_cast<int64_t>(nbytes)});
+    }
+    const int64_t size = static_cast<int64_t>(nbytes);
+    note_peak(g_allocated.fetch_add(size, std::memory_order_relaxed) + size);
+    return {data, data, &free_counted, device};
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
-    return nullptr;  // every DataPtr carries its own context
+    return &free_counted;
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -77,7 +105,9 @@ std::once_flag g_installed;
 
 void install() {
   std::call_once(g_installed, [] {
-    static CountingAllocator allocator(c10::GetCPUAllocator());
+    c10::Allocator* inner = c10::GetCPUAllocator();
+    g_inner_raw_deleter = inner->raw_deleter();
+    static CountingAllocator allocator(inner);
     // Above the default priority (0), so that it stays in force.
     c10::SetCPUAllocator(&allocator, /*priority=*/1);
   });
