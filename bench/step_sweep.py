@@ -21,6 +21,7 @@ and ratios to flatgrad at G = 1 and to stock at the same G. Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -83,8 +84,23 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
 
         return wrapper
 
+    coalescing = torch_dist._coalescing_manager
+
+    @contextlib.contextmanager
+    def coalesced(*args: Any, **kwargs: Any) -> Any:
+        # A coalesced group is one launch: counted once, the calls recorded inside it not at all.
+        if depth[0] == 0:
+            counted.append("_coalescing_manager")
+        depth[0] += 1
+        try:
+            with coalescing(*args, **kwargs) as manager:
+                yield manager
+        finally:
+            depth[0] -= 1
+
     for (module, name), fn in originals.items():
         setattr(module, name, counting(name, fn))
+    torch_dist._coalescing_manager = coalesced
     out: dict[str, Any] = {}
     try:
         for groups in job["sub_groups"]:
@@ -129,6 +145,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     finally:
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
+        torch_dist._coalescing_manager = coalescing
     return out
 
 

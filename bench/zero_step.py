@@ -51,6 +51,7 @@ all_reduce). Example::
 
     python bench/zero_step.py                        # both models, 4 ranks
     python bench/zero_step.py --models moe --steps 4 --out zero_step.json
+    python bench/zero_step.py --sub-groups 1 10 100 400 --world-size 2   # the step against the sub-group count
 """
 
 from __future__ import annotations
@@ -482,7 +483,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default=None, help="flatgrad kernel backend (default: auto)")
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--out", default=None, help="write the summary as JSON here")
+    parser.add_argument(
+        "--sub-groups", type=int, nargs="+", default=None, metavar="G",
+        help="run the sub-group sweep instead (bench/step_sweep.py: the optimizer step at G = 1, 10, 100, 400 "
+        "sub-groups on one model, flatgrad against stock); --world-size, --warmup, --steps and --out apply",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.sub_groups:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import step_sweep
+
+        sweep = ["--sub-groups", *map(str, args.sub_groups), "--world-size", str(args.world_size)]
+        sweep += ["--warmup", str(args.warmup), "--steps", str(args.steps)] + (["--out", args.out] if args.out else [])
+        return step_sweep.main(sweep)
     if args.world_size % 4 and "moe" in args.models:
         parser.error("the seed MoE model needs a world size that is a multiple of 4 (ep_size 4)")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -209,39 +209,60 @@ def reduce_scatter(
     return dist.reduce_scatter(output, input_chunks, op=op, group=group, async_op=async_op)
 
 
-def all_gather_in_place(buffers: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None) -> int:
+def all_gather_in_place(
+    buffers: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None, batch_numel: int | None = None
+) -> int:
     """All-gather many flat buffers in place: each is ``W`` equal chunks, and this rank's chunk is its input.
 
     This is what a ZeRO step does with every param group's bit16 buffer after the
-    update. On NCCL the per-buffer ``all_gather_into_tensor`` calls go out as one
-    coalesced group (``_coalescing_manager``): one launch, no copies. Other
-    backends (gloo has no coalescing) get one call per buffer, as stock does:
-    gathering several buffers in one call would need a staging copy as large as
-    the buffers themselves (measured: a whole model's bytes at the step's peak).
+    update. The per-buffer ``all_gather_into_tensor`` calls go out as coalesced
+    groups (``_coalescing_manager``): on NCCL one launch with no copies; on gloo
+    one gloo allgather, which stages its inputs and its output in flat buffers of
+    its own ((1 + 1/W) times the gathered bytes; one call per buffer stages the
+    buffer's bytes). ``batch_numel`` bounds the elements of one coalesced group,
+    and so gloo's staging: buffers are placed first fit, largest first, so the
+    groups are few and the same on every rank; a buffer larger than the bound
+    goes alone. ``None``: one group.
 
-    Returns the number of collective launches. Buffers must be 1-D, of one dtype
-    and device, with numels divisible by ``W``.
+    Returns the number of coalesced groups launched. Buffers must be 1-D, of one
+    dtype and device, with numels divisible by ``W``.
     """
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if world_size == 1 or not buffers:
         return 0
+    if batch_numel is not None and (isinstance(batch_numel, bool) or not isinstance(batch_numel, int) or batch_numel < 1):
+        raise ValueError(f"batch_numel must be a positive int or None, got {batch_numel!r}")
     for k, b in enumerate(buffers):
         if b.dim() != 1 or b.numel() % world_size:
             raise ValueError(f"buffers[{k}] must be 1-D with a multiple of {world_size} elements, got {tuple(b.shape)}")
         if b.dtype != buffers[0].dtype or b.device != buffers[0].device:
             raise ValueError(f"buffers[{k}] is {b.dtype} on {b.device}; buffers[0] is {buffers[0].dtype} on {buffers[0].device}")
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    device = buffers[0].device
-    if backend_name(group, device) == "nccl":
-        with dist._coalescing_manager(group=group, device=device, async_ops=True) as manager:
-            for b in buffers:
+    if batch_numel is None:
+        batches = [list(buffers)]
+    else:  # first fit, largest first: few launches within the bound, the same on every rank
+        batches, filled = [], []
+        for k in sorted(range(len(buffers)), key=lambda k: -buffers[k].numel()):
+            n = buffers[k].numel()
+            slot = next((j for j, f in enumerate(filled) if f + n <= batch_numel), None)
+            if slot is None:
+                batches.append([])
+                filled.append(0)
+                slot = len(batches) - 1
+            batches[slot].append(buffers[k])
+            filled[slot] += n
+    for batch in batches:
+        if len(batch) == 1:
+            gather(batch[0], batch[0].chunk(world_size)[rank], group=group)
+            continue
+        with dist._coalescing_manager(group=group, async_ops=True) as manager:  # no device: the backend's fast path
+            for b in batch:
                 gather(b, b.chunk(world_size)[rank], group=group)
         manager.wait()
-        return 1
-    for b in buffers:
-        gather(b, b.chunk(world_size)[rank], group=group)
-    return len(buffers)
+    return len(batches)
+
+
 def all_to_all(
     output: torch.Tensor,
     input: torch.Tensor,

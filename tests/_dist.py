@@ -61,7 +61,9 @@ def count_collectives() -> Iterator[collections.Counter]:
     """Count calls to every ``torch.distributed`` collective made in the block, by name.
 
     Only outermost calls count (``reduce_scatter_tensor`` calling
-    ``reduce_scatter_single`` is one call). Use inside a rank: the wrappers
+    ``reduce_scatter_single`` is one call), and a coalesced group
+    (``_coalescing_manager``) is one launch, counted as ``_coalescing_manager``
+    and not by the calls in it. Use inside a rank: the wrappers
     patch this process's ``torch.distributed`` module and are removed on exit.
     """
     counts: collections.Counter = collections.Counter()
@@ -81,10 +83,26 @@ def count_collectives() -> Iterator[collections.Counter]:
 
         return counted
 
+    coalescing = dist._coalescing_manager
+
+    @contextlib.contextmanager
+    def coalesced(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        # One launch for the whole group: counted once, the calls inside it not at all.
+        if depth[0] == 0:
+            counts["_coalescing_manager"] += 1
+        depth[0] += 1
+        try:
+            with coalescing(*args, **kwargs) as manager:
+                yield manager
+        finally:
+            depth[0] -= 1
+
     for name, fn in originals.items():
         setattr(dist, name, wrap(name, fn))
+    dist._coalescing_manager = coalesced
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        dist._coalescing_manager = coalescing

@@ -8,6 +8,8 @@ is a module-level function ``fn(rank, world_size, *args)``; its return value
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from collections.abc import Sequence
 from datetime import timedelta
@@ -229,7 +231,9 @@ class CollectiveCounter:
     keeps its own references to torch's functions); flatgrad's, which use
     ``torch.distributed`` directly, at ``torch.distributed``. A call through
     ``deepspeed.comm`` that reaches ``torch.distributed`` counts once, under
-    the outer name. ``calls[name]`` lists ``(numel, dtype)`` per call.
+    the outer name; a coalesced group (``torch.distributed._coalescing_manager``)
+    counts once, as ``_coalescing_manager``. ``calls[name]`` lists
+    ``(numel, dtype)`` per call.
     """
 
     NAMES = (
@@ -261,7 +265,25 @@ class CollectiveCounter:
                     continue
                 self._saved.append((module, name, fn))
                 setattr(module, name, self._wrap(name, fn))
+        self._saved.append((torch_dist, "_coalescing_manager", torch_dist._coalescing_manager))
+        torch_dist._coalescing_manager = self._coalesced(torch_dist._coalescing_manager)
         return self
+
+    def _coalesced(self, manager: Callable) -> Callable:
+        """A coalesced group is one launch: counted once as ``_coalescing_manager``, the calls in it not at all."""
+
+        @contextlib.contextmanager
+        def counted(*args, **kwargs):
+            if self._depth == 0:
+                self.calls.setdefault("_coalescing_manager", []).append((0, None))
+            self._depth += 1
+            try:
+                with manager(*args, **kwargs) as cm:
+                    yield cm
+            finally:
+                self._depth -= 1
+
+        return counted
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
         def wrapper(*args, **kwargs):
@@ -299,3 +321,27 @@ class CollectiveCounter:
 def count_collectives() -> CollectiveCounter:
     """A context manager counting ``deepspeed.comm`` collectives in this rank process."""
     return CollectiveCounter()
+
+
+# --------------------------------------------------------------------------- reads of the gradient partitions
+
+
+class PartitionReads(torch.overrides.TorchFunctionMode):
+    """Records the torch ops that touch any of the given tensors' storages (a real run, only observed)."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self.ops = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = list(args) + list(kwargs.values())
+        flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
+        if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages for a in flat):
+            self.ops.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+# The ops of a norm or an overflow check: the step must run none of them on the partitions.
+REDUCTIONS = ("norm", "vector_norm", "linalg_vector_norm", "isinf", "isnan", "isfinite", "sum", "abs", "max", "amax")

@@ -163,35 +163,63 @@ def test_in_place_reduce_scatter_gives_the_bits_of_out_of_place(world_size):
         assert not failures, f"rank {rank}: {failures}"
 
 
+def _greedy_batches(sizes: list[int], batch_numel: int | None) -> int:
+    """How many coalesced groups ``all_gather_in_place`` should launch: first fit, largest first."""
+    if batch_numel is None:
+        return 1
+    bins: list[int] = []
+    for n in sorted(sizes, reverse=True):
+        for j, filled in enumerate(bins):
+            if filled + n <= batch_numel:
+                bins[j] += n
+                break
+        else:
+            bins.append(n)
+    return len(bins)
+
+
 def _gather_rank(rank: int, world_size: int) -> list:
-    """Many buffers gathered in place against one out-of-place all_gather per buffer; the calls issued."""
+    """Many buffers gathered in place against one out-of-place all_gather per buffer; the launches issued."""
     out = []
     gen = torch.Generator().manual_seed(11)
     sizes = [int(n) * world_size for n in torch.randint(1, 20, (9,), generator=gen)]
     for dtype in (torch.float32, torch.bfloat16):
-        mine = [torch.randn(n, generator=torch.Generator().manual_seed(rank * 100 + k)).to(dtype) for k, n in enumerate(sizes)]
-        expected = []
-        for b in mine:
-            e = torch.empty_like(b)
-            dist.all_gather_into_tensor(e, b.chunk(world_size)[rank].clone())
-            expected.append(e)
-        buffers = [b.clone() for b in mine]
-        with count_collectives() as counter:
-            calls = comm.all_gather_in_place(buffers)
-        out.append((str(dtype), calls, sum(counter.values()), all(torch.equal(b, e) for b, e in zip(buffers, expected))))
+        for batch_numel in (None, 3 * max(sizes), max(sizes), 1):
+            mine = [
+                torch.randn(n, generator=torch.Generator().manual_seed(rank * 100 + k)).to(dtype) for k, n in enumerate(sizes)
+            ]
+            expected = []
+            for b in mine:
+                e = torch.empty_like(b)
+                dist.all_gather_into_tensor(e, b.chunk(world_size)[rank].clone())
+                expected.append(e)
+            buffers = [b.clone() for b in mine]
+            with count_collectives() as counter:
+                calls = comm.all_gather_in_place(buffers, batch_numel=batch_numel)
+            out.append((
+                str(dtype), batch_numel, calls, sum(counter.values()), _greedy_batches(sizes, batch_numel),
+                all(torch.equal(b, e) for b, e in zip(buffers, expected)),
+            ))  # fmt: skip
     return out
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_gather_in_place_gathers_every_buffer_in_place(world_size):
-    """gloo: one call per buffer (no staging copy); NCCL coalesces them into one launch (needs GPUs)."""
+    """One coalesced launch per batch of at most ``batch_numel`` elements (unbounded: one), bitwise as per-buffer calls."""
     for rank, rows in enumerate(run_ranks(_gather_rank, world_size, timeout=80)):
-        for dtype, calls, issued, equal in rows:
-            assert equal, (rank, dtype)
-            assert calls == issued == 9
+        for dtype, batch_numel, calls, issued, batches, equal in rows:
+            assert equal, (rank, dtype, batch_numel)
+            assert calls == issued == batches, (rank, dtype, batch_numel, calls, issued, batches)
+        assert [row[4] for row in rows[:4]] == [1, rows[1][4], rows[2][4], 9] and rows[2][4] > rows[1][4] > 1
     with pytest.raises(RankError, match=r"buffers\[0\] must be 1-D with a multiple of 2"):
         run_ranks(_bad_gather_rank, 2, timeout=60)
+    with pytest.raises(RankError, match=r"batch_numel must be a positive int or None, got 0"):
+        run_ranks(_bad_batch_rank, 2, timeout=60)
+
+
+def _bad_batch_rank(rank: int, world_size: int) -> None:
+    comm.all_gather_in_place([torch.zeros(4)], batch_numel=0)
 
 
 def _bad_gather_rank(rank: int, world_size: int) -> None:

@@ -14,7 +14,9 @@ import types
 
 import pytest
 import torch
-from _ds import MLP, SeedMoE, count_collectives, ds_config, launch, make_batches, params_of, train
+from _ds import (
+    MLP, REDUCTIONS, PartitionReads, SeedMoE, count_collectives, ds_config, launch, make_batches, params_of, train,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -420,24 +422,6 @@ def test_memory_between_steps_and_peak_within_the_targets_of_stock(stage, dtype)
 # --------------------------------------------------------------------------- step statistics
 
 
-class _PartitionReads(torch.overrides.TorchFunctionMode):
-    """Records the torch ops that read any of the given tensors' storages (a real run, only observed)."""
-
-    def __init__(self, tensors):
-        super().__init__()
-        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
-        self.ops = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat = list(args) + list(kwargs.values())
-        flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
-        if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages for a in flat):
-            self.ops.append(getattr(func, "__name__", str(func)))
-        return func(*args, **kwargs)
-
-
-_REDUCTIONS = ("norm", "vector_norm", "linalg_vector_norm", "isinf", "isnan", "isfinite", "sum", "abs", "max", "amax")
 
 
 def _stats_rank(rank, world_size, moe):
@@ -470,7 +454,7 @@ def _stats_rank(rank, world_size, moe):
                 norms.append((float(from_stats), float(from_partitions)))
                 reduction._step_stats = None
                 partitions = [p.flat_partition for p in reduction.partitions]
-                with _PartitionReads(partitions) as recorder, count_collectives() as counter:
+                with PartitionReads(partitions) as recorder, count_collectives() as counter:
                     engine.step()
                 reads.append(recorder.ops)
                 step_calls.append({op: len(v) for op, v in counter.calls.items()})
@@ -502,16 +486,20 @@ def test_norm_and_overflow_come_from_the_unpack_with_no_pass_over_the_partitions
             assert abs(from_stats - from_partitions) <= 1e-6 * from_partitions, (from_stats, from_partitions)
         for ops in flat["reads"]:
             assert ops, "the recorder saw no op on the partitions (the optimizer must read them)"
-            assert not [op for op in ops if op in _REDUCTIONS], ops
+            assert not [op for op in ops if op in REDUCTIONS], ops
         assert _max_rel(stock["params"], flat["params"]) <= 1e-6
         assert flat["multi_rank_sub_groups"] > 1
-        gathers = ("all_gather_into_tensor", "all_gather_single")
+        gathers = ("all_gather_into_tensor", "all_gather_single", "_coalescing_manager")
+        assert len(flat["step_calls"]) == len(stock["step_calls"]) > 0
         for mine, theirs in zip(flat["step_calls"], stock["step_calls"]):
             # Norm and overflow: one all_reduce for all sub-groups, no more than stock's.
             others = lambda calls: sum(n for op, n in calls.items() if op not in gathers)  # noqa: E731
             assert others(mine) <= others(theirs), (mine, theirs)
-            # gloo cannot coalesce the parameter all_gathers: one per multi-rank sub-group (NCCL: one group).
-            assert sum(mine.get(op, 0) for op in gathers) == flat["multi_rank_sub_groups"], mine
+            # The parameter all_gathers of all sub-groups: coalesced, at most two launches per process group
+            # on gloo (its staging bound, see [Note: ZeRO-2 step]) whatever the number of sub-groups.
+            gathered = lambda calls: sum(calls.get(op, 0) for op in gathers)  # noqa: E731
+            assert gathered(mine) <= 2 * gathered(theirs), (mine, theirs)
+            assert gathered(mine) < flat["multi_rank_sub_groups"], (mine, flat["multi_rank_sub_groups"])
 
 
 # --------------------------------------------------------------------------- checkpoints

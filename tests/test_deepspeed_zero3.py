@@ -16,22 +16,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _ds import MLP, CollectiveCounter, ds_config, launch, make_batches
+from _ds import MLP, REDUCTIONS, CollectiveCounter, PartitionReads, ds_config, launch, make_batches
 
 D_IN, HIDDEN, D_OUT = 13, 37, 5
 MICRO_BATCH = 2
 GAS = 2
 STEPS = 5
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 # Small buckets: several buckets per backward, a parameter larger than a bucket
 # (37 x 37), parameters that leave some ranks without data (5 elements on 4 ranks).
+# No gradient clipping here: clipped runs take the norm from the unpack stats, in
+# another summation order than stock's, and agree to 1e-6, not bitwise
+# (test_norm_and_overflow_come_from_the_unpack).
 ZERO_CASES = {
     "partitioned": {"bucket": 1000, "stage3_param_persistence_threshold": 0},
-    "persistent": {"bucket": 1000, "clip": 1.0},
-    "non_contiguous": {"bucket": 2000, "contiguous_gradients": False, "overlap_comm": True, "clip": 0.5},
+    "persistent": {"bucket": 1000},
+    "non_contiguous": {"bucket": 2000, "contiguous_gradients": False, "overlap_comm": True},
 }
 
 
@@ -311,7 +314,9 @@ COLLECTIVES = {
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", sorted(COLLECTIVES))
 def test_same_collectives_as_stock(case: str) -> None:
-    """Counted at deepspeed.comm (torch.distributed for flatgrad.comm): the same calls, sizes and dtypes as stock."""
+    """Counted at deepspeed.comm (torch.distributed for flatgrad.comm): the same calls, sizes and dtypes as
+    stock, but the step's norm all_reduces: one per step ([sum_sq, nonfinite] from the unpack stats, fp32)
+    against stock's one per sub-group (its norm, in the norm dtype)."""
     world_size, options, flat_options, per_backward = COLLECTIVES[case]
     for rank, r in enumerate(launch(_collectives, world_size, options, flat_options, timeout=200)):
         stock, flat = r[False], r[True]
@@ -320,7 +325,78 @@ def test_same_collectives_as_stock(case: str) -> None:
         if per_backward is not None:
             count = len(reduce_scatters)
             assert count == per_backward * STEPS * GAS, f"rank {rank}: {count} reduce_scatters"
+        mine, theirs = flat.pop("all_reduce"), stock.pop("all_reduce")
+        assert mine == [(2, "torch.float32")] * STEPS and len(theirs) >= STEPS, (rank, mine, theirs)
         assert flat == stock, f"rank {rank}: collectives differ from stock"
+
+
+# --------------------------------------------------------------------------- step statistics
+
+
+def _norm_rank(rank: int, world_size: int, dtype: str, options: dict) -> dict:
+    """Per boundary: the norm DeepSpeed computed, whether flatgrad's stats served it, the ops step() ran on
+    the grad partitions and the all_reduces it issued; and the final state."""
+    batches = make_batches(rank, STEPS * GAS, MICRO_BATCH, D_IN, D_OUT)
+    out = {}
+    for flat in (False, True):
+        engine = _engine(rank, world_size, flat, dtype, **options)
+        opt = engine.optimizer
+        norms, served, reads, reduces, skipped = [], [], [], [], []
+        for i, (x, y) in enumerate(batches):
+            loss = engine(x.to(DTYPES[dtype]), y.to(DTYPES[dtype]))
+            if dtype == "fp16" and i == 2 * GAS - 1 and rank == world_size - 1:
+                loss = loss * float("inf")  # one rank overflows at the second boundary: the step is skipped
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            if boundary and flat:
+                served.append(opt.flatgrad_zero3._stats_usable())
+            with PartitionReads([opt.grad_partitions_flat_buffer]) as recorder, _Counter() as counter:
+                engine.step()
+            if boundary:
+                norms.append(float(engine.get_global_grad_norm()))
+                reads.append(recorder.ops)
+                reduces.append(len(counter.calls.get("all_reduce", [])))
+                skipped.append(engine.skipped_steps)
+        out[flat] = {
+            "norms": norms, "served": served, "reads": reads, "reduces": reduces, "skipped": skipped,
+            "sub_groups": len(opt.fp16_groups), **_state(engine, rank),
+        }  # fmt: skip
+        engine.destroy()
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size,dtype", [(2, "fp32"), (4, "fp32"), (2, "fp16")])
+def test_norm_and_overflow_come_from_the_unpack(world_size: int, dtype: str) -> None:
+    """Issue 11 for ZeRO-3: the norm from the unpack stats is stock's (1e-6), clipping gives stock's weights
+    (1e-6), fp16 skips the same steps, step() runs no norm or overflow op on the grad partitions, and it
+    issues no more all_reduces than stock (one, against one per sub-group)."""
+    options = {"bucket": 400, "stage3_param_persistence_threshold": 0, "clip": 0.05, "sub_group_size": 200}
+    for rank, r in enumerate(launch(_norm_rank, world_size, dtype, options, timeout=280)):
+        stock, flat = r[False], r[True]
+        assert flat["served"] and all(flat["served"]), f"rank {rank}: the stats did not serve every step"
+        assert len(flat["norms"]) == len(stock["norms"]) == STEPS
+        for mine, theirs in zip(flat["norms"], stock["norms"]):
+            assert abs(mine - theirs) <= 1e-6 * abs(theirs) or (mine == theirs), (rank, flat["norms"], stock["norms"])
+        assert flat["skipped"] == stock["skipped"], (rank, flat["skipped"], stock["skipped"])
+        assert (stock["skipped"][-1] >= 1) == (dtype == "fp16"), (rank, stock["skipped"])
+        for key in ("params", "master"):
+            for k, (a, b) in enumerate(zip(flat[key], stock[key])):
+                assert _rel(a, b) <= 1e-6, (rank, key, k, _rel(a, b))
+        # One pass over the partitions per step, the optimizer's flatten of each sub-group; stock adds its norm's.
+        skips = [b - a for a, b in zip([0] + flat["skipped"], flat["skipped"])]
+        for mine, theirs, skip in zip(flat["reads"], stock["reads"], skips):
+            assert mine == ([] if skip else ["flatten_dense_tensors"] * flat["sub_groups"]), (rank, mine, skip)
+            assert not [op for op in mine if op in REDUCTIONS], (rank, mine)
+            assert len(theirs) > len(mine) and "to" in theirs or skip, (rank, theirs)
+        for mine, theirs in zip(flat["reduces"], stock["reduces"]):
+            assert mine <= theirs, (rank, flat["reduces"], stock["reduces"])
+        assert sum(stock["reduces"]) > sum(flat["reduces"]), (flat["sub_groups"], stock["reduces"], flat["reduces"])
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -247,6 +247,7 @@ def _recorded(rank: int, world_size: int) -> list:
     import deepspeed
     import deepspeed.comm as ds_comm
 
+    from flatgrad import comm
     from flatgrad.demo.measure import CollectiveRecorder
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build (DESIGN.md)
@@ -261,6 +262,8 @@ def _recorded(rank: int, world_size: int) -> list:
             ds_comm.reduce(torch.ones(7), 2, group=pair)  # positional dst, a sub-group
         out = torch.empty(3)
         dist.reduce_scatter(out, list(torch.ones(3 * world_size).chunk(world_size)))  # flatgrad's path
+        recorder.phase = "step"
+        comm.all_gather_in_place([torch.zeros(2 * world_size), torch.zeros(4 * world_size)])  # one coalesced launch
         return [tuple(c) for c in recorder.take()]
     finally:
         recorder.uninstall()
@@ -274,4 +277,5 @@ def test_recorder_counts_each_call_once_with_its_group_and_destination():
         if rank in (1, 2):
             expected.append(("backward", "reduce", 7, "float32", (1, 2), 2))
         expected.append(("backward", "reduce_scatter", 9, "float32", (0, 1, 2), None))
+        expected.append(("step", "all_gather", 18, "float32", (0, 1, 2), None))
         assert calls == expected, (rank, calls)

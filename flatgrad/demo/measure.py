@@ -11,13 +11,16 @@ Every call is recorded with the phase it happened in (``forward``,
 ``backward``, ``step``; set by the trainer), its op (DeepSpeed's wrapper names
 folded onto the torch op they issue), the elements of its buffer (a
 reduce_scatter's whole input, an all_gather's whole output), its dtype, the
-global ranks of its group, and a reduce's destination. A call on a one-rank
+global ranks of its group, and a reduce's destination. A coalesced group
+(``torch.distributed._coalescing_manager``) is one launch: recorded once, with
+the op and group of the calls in it and the sum of their elements. A call on a one-rank
 group is a call (stock ZeRO-2 issues those for MoE experts when every expert
 group has one rank); it sends no bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -46,6 +49,7 @@ _OPS = {
     "_reduce_scatter_base": "reduce_scatter",
     "all_gather": "all_gather",
     "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
     "allgather_fn": "all_gather",
     "all_gather_coalesced": "all_gather",
     "_all_gather_base": "all_gather",
@@ -94,6 +98,7 @@ class CollectiveRecorder:
     _depth: int = 0
     _pending: list | None = None
     _groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    _batch: list[Call] | None = None  # the calls of an open coalesced group
 
     def install(self) -> "CollectiveRecorder":
         """Wrap the collective entry points of ``deepspeed.comm`` (if importable) and ``torch.distributed``."""
@@ -110,7 +115,29 @@ class CollectiveRecorder:
                 if callable(fn):
                     self._saved.append((module, name, fn))
                     setattr(module, name, self._wrap(name, fn))
+        self._saved.append((dist, "_coalescing_manager", dist._coalescing_manager))
+        dist._coalescing_manager = self._wrap_coalescing(dist._coalescing_manager)
         return self
+
+    def _wrap_coalescing(self, manager: Callable) -> Callable:
+        @contextlib.contextmanager
+        def coalesced(*args: Any, **kwargs: Any) -> Any:
+            outer = self._depth == 0 and self._batch is None
+            if outer:
+                self._batch = []
+            try:
+                with manager(*args, **kwargs) as cm:
+                    yield cm
+            finally:
+                if outer:
+                    batch, self._batch = self._batch, None
+                    if batch:
+                        self.calls.append(batch[0]._replace(numel=sum(c.numel for c in batch)))
+
+        return coalesced
+
+    def _record(self, call: Call) -> None:
+        (self.calls if self._batch is None else self._batch).append(call)
 
     def uninstall(self) -> None:
         """Put the original functions back."""
@@ -163,14 +190,14 @@ class CollectiveRecorder:
         if pending[0] == "reduce":
             pending[4] = bound.get("dst")
         self._pending = None
-        self.calls.append(Call(self.phase, *pending))  # type: ignore[arg-type]
+        self._record(Call(self.phase, *pending))  # type: ignore[arg-type]
 
     def _finish(self) -> None:
         """A call whose group was never named (no inner call with a signature): the default group."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending[3] = self._group_ranks(None)
-            self.calls.append(Call(self.phase, *pending))  # type: ignore[arg-type]
+            self._record(Call(self.phase, *pending))  # type: ignore[arg-type]
 
 
 def _signature_with_group(fn: Callable) -> inspect.Signature | None:

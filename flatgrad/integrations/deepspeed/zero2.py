@@ -70,11 +70,17 @@ combined scale applied to every partition as stock applies it per group, one
 ``optimizer.step()`` over sub-groups merged by equal hyperparameters, one
 multi-tensor copy into the bit16 partitions, then stock's all_gather and
 bookkeeping. The arithmetic is stock's, so training is unchanged (bitwise on
-2 ranks in fp32, tested). The parameter all_gathers of all sub-groups of a
-process group go out as one coalesced NCCL group
-(``flatgrad.comm.all_gather_in_place``). gloo cannot coalesce, so on CPU they
-stay one per sub-group: one call over several sub-groups would need a staging
-copy of all their bytes (tried: a whole model's bytes at the step's peak).
+2 ranks in fp32, tested). The partitions are released right after the update,
+before the all_gathers, as stock frees its gradients there. The parameter
+all_gathers of all sub-groups of a process group go out as coalesced groups
+(``flatgrad.comm.all_gather_in_place``): on NCCL one group with no copies. gloo
+stages a coalesced group in flat buffers of its own, (1 + 1/W) times its
+elements, where stock's all_gather of a param group stages that group's flat:
+one batch for everything raised the fp32 peak by 1.5 B/param at W=2
+(``bench/memory.py``). So on gloo a batch holds at most W/(W+1) of stock's
+largest group flat (and at most ``allgather_bucket_size``): two launches per
+step for a one-group model, whatever the number of sub-groups, where one call
+per sub-group cost 12x the one-sub-group step at 400 sub-groups.
 
 [Note: ZeRO-2 memory]
 Stock frees its IPG buffers and gradient partitions between steps, so
@@ -519,6 +525,7 @@ class Zero2Reduction:
             for i, layout in enumerate(self.layouts)
         ]
         self.partitions: list[Any] | None = None
+        self._gather_plan: list[tuple[Any, list[int], int | None]] | None = None
         self._window_open = False
         self.reductions = 0
         # MoE sub-groups by expert group, for the norm (stock averages them over that group).
@@ -685,19 +692,44 @@ class Zero2Reduction:
             bit16.append(o.parallel_partitioned_bit16_groups[i][rank].data)
             fp32.append(o.single_partition_of_fp32_groups[i].data)
         torch._foreach_copy_(bit16, fp32)
+        self.release()  # the partitions are consumed: free them before the all_gather, as stock frees its grads
         o.timers(OPTIMIZER_STEP_TIMER).stop()
 
         o.timers(OPTIMIZER_ALLGATHER_TIMER).start()
-        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-        for i, flat in enumerate(o.bit16_groups_flat):
-            pg = o.real_dp_process_group[i]
-            by_group.setdefault(id(pg), (pg, []))[1].append(flat)
-        for pg, flats in by_group.values():  # see [Note: ZeRO-2 step]
-            comm.all_gather_in_place(flats, group=pg)
+        for pg, indices, batch_numel in self._gathers():  # see [Note: ZeRO-2 step]
+            comm.all_gather_in_place([o.bit16_groups_flat[i] for i in indices], group=pg, batch_numel=batch_numel)
         o.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
         for i in range(len(o.bit16_groups)):
             o._update_model_bit16_weights(i)
         o.timers.log(OPTIMIZER_TIMERS)
+
+    def _gathers(self) -> list[tuple[Any, list[int], int | None]]:
+        """Per process group: its sub-groups and the bound of one coalesced all_gather, planned once.
+
+        NCCL coalesces with no copy: no bound. gloo stages a coalesced group in
+        flat buffers of (1 + 1/W) times its elements, where stock's one call per
+        param group stages the group's flat (W partitions); the bound keeps
+        flatgrad's staging within stock's largest (and within DeepSpeed's
+        ``allgather_bucket_size``). See [Note: ZeRO-2 step].
+        """
+        if self._gather_plan is None:
+            o = self.optimizer
+            unsplit, origins = getattr(o, "_flatgrad_origins", (len(self.layouts), list(range(len(self.layouts)))))
+            plan = []
+            for reducer in self.reducers:
+                indices = sorted(i for i, (r, _) in enumerate(self._slot) if r is reducer)
+                flats = [o.bit16_groups_flat[i] for i in indices]
+                batch_numel = None
+                if comm.backend_name(reducer.process_group, flats[0].device) != "nccl":
+                    w = reducer.world_size
+                    origin_numel: dict[int, int] = {}
+                    for i in indices:
+                        origin_numel[origins[i]] = origin_numel.get(origins[i], 0) + self.layouts[i].numel
+                    stock_flat = max(origin_numel.values())
+                    batch_numel = max(1, min(int(o.allgather_bucket_size), stock_flat * w // (w + 1)))
+                plan.append((reducer.process_group, indices, batch_numel))
+            self._gather_plan = plan
+        return self._gather_plan
 
     def _optimizer_step_all(self) -> None:
         """One ``optimizer.step()`` for every sub-group: sub-groups of equal hyperparameters become one group.

@@ -35,10 +35,36 @@ Bitwise equality with stock (fp32 and bf16, any world size; tested):
 
 Everything else is DeepSpeed's own: bucket boundaries, the stream the work runs
 on and the reduce events, ``param.grad`` freed after the reduction, the bucket
-reset, micro-step bookkeeping, the gradient norm and the overflow check (they
-read the partitions afterwards). ``comm_dtype`` and ``bucket_numel`` of the
-``"flatgrad"`` section act as ``communication_data_type`` and
+reset, micro-step bookkeeping and the step. ``comm_dtype`` and ``bucket_numel``
+of the ``"flatgrad"`` section act as ``communication_data_type`` and
 ``reduce_bucket_size`` do.
+
+[Note: ZeRO-3 step statistics]
+Stock's step reads every grad partition again: one norm per parameter and one
+all_reduce per sub-group for the gradient norm (``_get_norm_groups``), and with
+fp16 an isinf/isnan pass over the whole partition buffer and another all_reduce
+for the overflow check. The fused unpack already computes the sum of squares
+and the non-finite count of what it writes; with accumulation that is the
+accumulated partition. The unpacks of one backward add their stats into one
+2-element vector, so at the step ``_get_norm_groups`` and ``has_overflow`` take
+them from one all_reduce over the buckets' partition group (stock all_reduces
+each sub-group's norm over it), and read no partition.
+
+That equals stock's figures only when the last backward of the window reduced
+every trainable parameter exactly once: stock reads every partition,
+including one whose parameter got no gradient in the last backward (it keeps
+what an earlier backward, or an earlier step, left there). The check is made
+on the host, from the buckets' parameter ids, which every rank shares (the
+reduce_scatters match only if the buckets do), so every rank takes the same
+path; otherwise, or with model parallelism, Muon, or buckets reduced over
+more than one group (MoE), the step is stock's. The norm
+is the square root of the summed squares (one group: stock combines per-group
+norms into the same value, up to rounding), -1 when non-finite, as stock's
+``get_grad_norm_direct`` returns. Stock sums the norm in its norm dtype (fp64
+on CPU), the unpack in fp32 in another order: the norms agree to about 1e-7
+relative, so runs whose gradients are clipped agree with stock's to 1e-6
+(tested), not bitwise; without clipping nothing changes. ZeRO-1/2 follow the
+same rule (see [Note: ZeRO-2 step statistics]).
 """
 
 from __future__ import annotations
@@ -48,7 +74,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from ... import comm
-from ...kernels import pack, unpack
+from ...kernels import UnpackPlan, pack, unpack
 from ...layout import Layout
 from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version
 
@@ -128,6 +154,8 @@ class _Plan(NamedTuple):
     divide_after: bool  # divide the packed buffer by world_size in place (stock's arithmetic)
     ds_ids: tuple[int, ...]  # parameters with data in this rank's segment, in segment order
     lengths: tuple[int, ...]  # their piece lengths
+    key: tuple  # (bucket dtype, every parameter's ds_id in bucket order): the same on every rank
+    bucket_ds_ids: frozenset[int]  # every parameter of the bucket, for [Note: ZeRO-3 step statistics]
 
 
 class Zero3Reducer:
@@ -151,6 +179,15 @@ class Zero3Reducer:
         self._comm_dtype = config.torch_comm_dtype()
         self._method = "tensor" if config.reduce_scatter == "auto" else config.reduce_scatter
         self._outs: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
+        self._unpack_plans: dict[tuple, UnpackPlan] = {}
+        self.stats = _BackwardStats()
+        self._trainable = frozenset(p.ds_id for g in optimizer.fp16_groups for p in g if p.requires_grad)
+        self._covers: dict[tuple, bool] = {}
+        self._reduced: torch.Tensor | None = None
+        self._stock_get_norm_groups = optimizer._get_norm_groups
+        self._stock_has_overflow = optimizer.has_overflow
+        self._stock_step = optimizer.step
+        self._stock_zero_grad = optimizer.zero_grad
 
     def describe(self) -> str:
         """The take-over line: stage, sub-groups, buckets, reduction method."""
@@ -258,6 +295,8 @@ class Zero3Reducer:
             divide_after=not fused,
             ds_ids=tuple(params[p.tensor_index].ds_id for p in pieces),
             lengths=tuple(p.length for p in pieces),
+            key=(bucket_dtype, tuple(p.ds_id for p in params)),
+            bucket_ds_ids=frozenset(p.ds_id for p in params),
         )
 
     def _grad_partitions(self, plan: _Plan) -> list[torch.Tensor]:
@@ -295,19 +334,109 @@ class Zero3Reducer:
         shard = buffer.narrow(0, plan.rank * layout.shard_numel, layout.shard_numel)
         comm.reduce_scatter(shard, buffer, group=plan.group, method=self._method)
         if not plan.ds_ids:
+            self.stats.add(self.optimizer.micro_step_id, plan.key, torch.zeros(2, device=shard.device))
             return
         outs = self._grad_partitions(plan)
         out_dtype = outs[0].dtype
         if shard.dtype != out_dtype and out_dtype != torch.float32:
             shard = shard.to(out_dtype)  # stock adds after this cast; see [Note: ZeRO-3 reduce path]
-        unpack(shard, layout, plan.rank, outs, accumulate=self.optimizer.micro_step_id != 0, backend=backend)
+        unpacker = self._unpack_plans.get(plan.key)
+        if unpacker is None:
+            unpacker = self._unpack_plans[plan.key] = UnpackPlan(layout, plan.rank, outs, backend=backend)
+        micro_step = self.optimizer.micro_step_id
+        stats = unpacker(shard, outs, accumulate=micro_step != 0, return_stats=True)
+        self.stats.add(micro_step, plan.key, stats)
+
+    # -- the step's norm and overflow, from the unpack stats: see [Note: ZeRO-3 step statistics] --------------
+
+    def _stats_usable(self) -> bool:
+        opt = self.optimizer
+        if opt.model_parallel_group is not None or getattr(opt, "use_muon", False) or self.stats.keys is None:
+            return False
+        keys = tuple(self.stats.keys)
+        usable = self._covers.get(keys)
+        if usable is None:
+            plans = [self.plans[key] for key in keys]
+            union = frozenset().union(*(p.bucket_ds_ids for p in plans))
+            usable = (
+                len({id(p.group) for p in plans}) == 1  # stock all_reduces each sub-group's norm over this group
+                and sum(len(p.bucket_ds_ids) for p in plans) == len(union)  # no parameter reduced twice
+                and self._trainable <= union
+            )
+            if len(self._covers) > 64:
+                self._covers.clear()
+            self._covers[keys] = usable
+        return usable
+
+    def _reduced_stats(self) -> torch.Tensor:
+        """``[sum_sq, nonfinite]`` of the last backward's unpacks, summed over the ranks: one all_reduce per step."""
+        if self._reduced is None:
+            opt = self.optimizer
+            device = torch.device(self._accelerator.current_device_name())
+            if not self._accelerator.resolves_data_dependency():
+                self._accelerator.current_stream().wait_stream(opt.reduce_and_partition_stream)
+            total = self.stats.total.to(device) if self.stats.total is not None else torch.zeros(2, device=device)
+            group = self.plans[self.stats.keys[0]].group
+            self._dist.all_reduce(total, op=self._dist.ReduceOp.SUM, group=group)
+            self._reduced = total
+        return self._reduced
+
+    def get_norm_groups(self) -> list[torch.Tensor]:
+        """Replaces ``_get_norm_groups``: the norm from the unpack stats (one group), -1 when not finite."""
+        if not self._stats_usable():
+            return self._stock_get_norm_groups()
+        total = self._reduced_stats()
+        norm = total[0].sqrt()
+        invalid = (total[1] > 0) | ~torch.isfinite(norm)
+        return [torch.where(invalid, torch.full_like(norm, -1.0), norm)]
+
+    def has_overflow(self, partition_gradients: bool = True) -> bool:
+        """Replaces ``has_overflow``: any inf/nan in any rank's partitions, from the unpack stats."""
+        if not partition_gradients or not self._stats_usable():
+            return self._stock_has_overflow(partition_gradients)
+        return bool(self._reduced_stats()[1].item() > 0)  # stock returns a bool too (one host sync)
+
+    def step(self, closure: Any = None) -> Any:
+        """Wraps ``step``: the window's stats are consumed (or discarded) with it."""
+        try:
+            return self._stock_step(closure)
+        finally:
+            self._end_window()
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> Any:
+        """Wraps ``zero_grad``: it restarts accumulation, so the stats restart too."""
+        self._end_window()
+        return self._stock_zero_grad(*args, **kwargs)
+
+    def _end_window(self) -> None:
+        self.stats.reset()
+        self._reduced = None
+
+
+class _BackwardStats:
+    """The summed unpack stats of one backward (one ``micro_step_id``) and the buckets they came from."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.micro_step: int | None = None
+        self.total: torch.Tensor | None = None
+        self.keys: list[tuple] | None = None
+
+    def add(self, micro_step: int, key: tuple, stats: torch.Tensor) -> None:
+        if micro_step != self.micro_step or self.keys is None:  # a new backward: only its unpacks count
+            self.micro_step, self.total, self.keys = micro_step, None, []
+        self.total = stats.clone() if self.total is None else self.total.add_(stats)
+        self.keys.append(key)
 
 
 # What the replacement seams call or read on the optimizer, besides the seams themselves.
 _METHODS = ("get_param_comm_dtype", "_get_param_partition_group", "_assert_same_partition_group",
-            "_gradient_averaging_world_size")
+            "_gradient_averaging_world_size", "_get_norm_groups", "has_overflow", "step", "zero_grad")
 _STATE = ("ipg_buckets", "param_reduce_events", "max_param_reduce_events", "reduce_and_partition_stream",
-          "micro_step_id", "grad_partitions_flat_buffer", "_offload_boundary_param_ids", "enable_sanity_checks")
+          "micro_step_id", "grad_partitions_flat_buffer", "_offload_boundary_param_ids", "enable_sanity_checks",
+          "fp16_groups", "dp_process_group", "model_parallel_group")
 
 
 def _check_seams(opt: Any) -> None:
@@ -386,5 +515,9 @@ def install(engine: Any, cfg: FlatgradConfig) -> "Zero3Reducer | None":
     _resize_ipg_buffers(opt, cfg)
     setattr(opt, _ADD_GRAD, reducer.add_grad_to_ipg_bucket)
     setattr(opt, _REDUCE, reducer.reduce_and_partition_ipg_grads)
+    opt._get_norm_groups = reducer.get_norm_groups
+    opt.has_overflow = reducer.has_overflow
+    opt.step = reducer.step
+    opt.zero_grad = reducer.zero_grad
     setattr(opt, _ATTR, reducer)
     return reducer
