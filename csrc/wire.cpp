@@ -32,6 +32,10 @@
 #include <optional>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "flatgrad/wire.h"
 
 namespace flatgrad {
@@ -50,17 +54,71 @@ static_assert(kGrain % 4096 == 0 && kGrain % kTile == 0, "a chunk must hold whol
 constexpr int kLanes = 8;
 
 // float of an fp8 e4m3fn byte, exactly, in branch-free integer operations (c10's conversion
-// does not vectorise, nor does a 256-entry table gather: 0.23x of the copy roofline with the
-// table). Normal: the exponent rebiased (+120) and the 3 mantissa bits moved into place;
-// subnormal (e == 0): m * 2**-9; 0x7F / 0xFF: NaN.
+// does not vectorise). Normal: the exponent rebiased (+120) and the 3 mantissa bits moved
+// into place; subnormal (e == 0): 2**-6 * (1 + m/8) - 2**-6 = m * 2**-9, exactly; 0x7F / 0xFF:
+// NaN with torch's bits (0x7FF00000, signed). The scalar form, for the tails of the AVX2 loop
+// and for CPUs without AVX2 + F16C; gcc vectorises it poorly (about 1 ns/element).
 inline float fp8_to_float(uint8_t b) {
-  const uint32_t magnitude = b & 0x7Fu;
-  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
-  const uint32_t normal = sign | ((magnitude << 20) + (120u << 23));
-  const uint32_t subnormal = sign | c10::bit_cast<uint32_t>(static_cast<float>(magnitude) * 0x1p-9f);
-  const uint32_t bits = magnitude < 8 ? subnormal : (magnitude == 0x7F ? 0x7FC00000u : normal);
-  return c10::bit_cast<float>(bits);
+  const uint32_t x = b;
+  const uint32_t sign = (x & 0x80u) << 24;
+  const uint32_t normal = ((x & 0x7Fu) << 20) + (120u << 23);
+  const uint32_t subnormal = c10::bit_cast<uint32_t>(c10::bit_cast<float>(normal + (1u << 23)) - 0x1p-6f);
+  const uint32_t bits = (x & 0x7Fu) < 8 ? subnormal : ((x & 0x7Fu) == 0x7Fu ? 0x7FF00000u : normal);
+  return c10::bit_cast<float>(bits | sign);
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FLATGRAD_HAVE_FP8_AVX2 1
+// [Note: fp8 decode on x86]
+// 16 e4m3fn bytes -> 16 floats, exactly, through the hardware fp16 -> fp32 conversion: the
+// byte s.eeee.mmm shifted into an fp16 as s.0eeee.mmm0000000 is the value / 256 (exponent
+// bias 15 against 7; e == 0 lands on the fp16 subnormals, which vcvtph2ps converts exactly
+// whatever MXCSR.DAZ says), so one exact multiply by 256 finishes it. 0x7F / 0xFF become the
+// fp16 NaN 0x7F80 (signed), which converts to torch's 0x7FF00000 and survives the multiply.
+// Checked bitwise against torch's float8_e4m3fn -> float32 cast for all 256 bytes
+// (tests/test_wire.py). Measured single-threaded on L1-resident 256-element blocks (Xeon,
+// AVX-512 capable): 0.18 ns/element, as fast as the int8 loop; fp8_to_float vectorised by
+// gcc 12 ran at 0.5-1.0 ns/element, and hand-written AVX2 integer selects at 0.34.
+__attribute__((target("avx2,f16c"))) inline void fp8x16(const uint8_t* q, __m256& lo, __m256& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);  // b << 8
+  __m256i h = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F00)), _mm256_set1_epi16(0x7F00));
+  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
+  const __m256 k256 = _mm256_set1_ps(256.0f);
+  lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k256);
+  hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k256);
+}
+
+// acc (=|+=) fp8(q) * sc over n elements: the first n - n % 16 with fp8x16, the rest scalar.
+// The same fp32 operations in the same order as the scalar loop (no FMA), so the same bits.
+__attribute__((target("avx2,f16c"))) void fp8_dequantize_add_avx2(const uint8_t* q, float sc, float* acc,
+                                                                     int64_t n, bool first) {
+  const __m256 s = _mm256_set1_ps(sc);
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    __m256 lo, hi;
+    fp8x16(q + k, lo, hi);
+    lo = _mm256_mul_ps(lo, s);
+    hi = _mm256_mul_ps(hi, s);
+    if (!first) {
+      lo = _mm256_add_ps(_mm256_loadu_ps(acc + k), lo);
+      hi = _mm256_add_ps(_mm256_loadu_ps(acc + k + 8), hi);
+    }
+    _mm256_storeu_ps(acc + k, lo);
+    _mm256_storeu_ps(acc + k + 8, hi);
+  }
+  for (; k < n; ++k) {
+    const float v = fp8_to_float(q[k]) * sc;
+    acc[k] = first ? v : acc[k] + v;
+  }
+}
+
+bool cpu_has_fp8_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
 
 // The dequantize loops, compiled for AVX2 and for the x86-64 baseline (as in flatgrad.cpp);
 // no FMA is enabled, so both compute the same bits.
@@ -80,8 +138,14 @@ FLATGRAD_WIRE_CLONES void dequantize_add(const uint8_t* q, float sc, float* acc,
       for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + static_cast<float>(qi[k]) * sc;
     }
   } else if (first) {
+#ifdef FLATGRAD_HAVE_FP8_AVX2
+    if (cpu_has_fp8_avx2()) return fp8_dequantize_add_avx2(q, sc, acc, n, true);
+#endif
     for (int64_t k = 0; k < n; ++k) acc[k] = fp8_to_float(q[k]) * sc;
   } else {
+#ifdef FLATGRAD_HAVE_FP8_AVX2
+    if (cpu_has_fp8_avx2()) return fp8_dequantize_add_avx2(q, sc, acc, n, false);
+#endif
     for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] + fp8_to_float(q[k]) * sc;
   }
 }

@@ -186,6 +186,28 @@ def test_public_unpacks_return_unpack_stats(backend):
     torch.testing.assert_close(stats.sum_sq, out.square().sum(), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+@pytest.mark.parametrize("shard_numel", [256, 15])
+def test_fp8_decode_matches_torch_cast(backend, shard_numel):
+    """Every e4m3fn byte, NaN bits included, decodes to torch's float8_e4m3fn -> float32 cast: through
+    the vector loop (256-element blocks) and through the scalar tail (15-element shards)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    for start in range(0, 256, shard_numel):
+        chunk = codes[start : start + shard_numel]
+        s = chunk.numel()
+        w = torch.zeros(wire.segment_bytes(s, 256), dtype=torch.uint8)
+        values, scales = wire_reference.wire_views(w, 1, s, 256, "fp8")
+        values.view(torch.uint8).copy_(chunk.view(1, -1))
+        scales.fill_(1.0)
+        out = torch.empty(s)
+        wire.dequantize_sum(w, 1, 256, "fp8", out, backend=backend)
+        want = chunk.view(torch.float8_e4m3fn).to(torch.float32)
+        if backend == "triton":  # its NaN bits are not pinned (see [Note: wire arithmetic contract])
+            assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out[~want.isnan()], want[~want.isnan()])
+        else:
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (start, out, want)
+
+
 def test_reference_sums_in_rank_order():
     """fp32 addition is not associative: (1e8 + 1) - 1e8 is 0 in rank order 0, 1, 2, and 1 in order 1, 2, 0."""
     recv = torch.tensor([1e8, 1.0, -1e8])
