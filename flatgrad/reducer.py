@@ -79,6 +79,10 @@ alive (a shard is dropped, never resized under a view).
   residual per bucket (``layout.numel`` elements) carries this rank's
   quantization error into its next quantize.
 
+With ``collect_stats`` both wire unpacks return the same stats as the regular
+unpack (sum of squares and non-finite count of the shard as written), so
+``shard_stats()`` works in every mode.
+
 The receive (and wire) buffers come from pools beside the comm buffer pool,
 keyed by purpose, with the same count and the same bucket -> buffer assignment,
 so the hand-off rule of [Note: comm buffer pool] covers them too.
@@ -609,11 +613,14 @@ class BucketReducer:
                 b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate, return_stats=self.collect_stats
             )
         elif b.reduction == "exact":
-            b.wire_kernels.sum_sources(b.recv, self.world_size, b.shard, b.unpack_scale, b.accumulate)
-        else:
-            b.wire_kernels.dequantize_sum(
-                b.wire_recv, self.world_size, self._reduction[1], b.reduction, b.shard, b.unpack_scale, b.accumulate
+            b.stats = b.wire_kernels.sum_sources(
+                b.recv, self.world_size, b.shard, b.unpack_scale, b.accumulate, self.collect_stats
             )
+        else:
+            b.stats = b.wire_kernels.dequantize_sum(
+                b.wire_recv, self.world_size, self._reduction[1], b.reduction, b.shard, b.unpack_scale, b.accumulate,
+                self.collect_stats,
+            )  # fmt: skip
         b.accumulate = True
 
     def _drain(self, block: bool, through: _Bucket | None = None) -> None:
@@ -680,8 +687,8 @@ class BucketReducer:
 
     @property
     def stats_available(self) -> bool:
-        """Whether every unpack computes the stats ``shard_stats()`` returns."""
-        return self.collect_stats and all(b.reduction == "reduce_scatter" for b in self._buckets)
+        """Whether every unpack computes the stats ``shard_stats()`` returns (every reduction mode's does)."""
+        return self.collect_stats
 
     def shard_stats(self) -> list[torch.Tensor]:
         """Per bucket, fp32 ``[sum_sq, nonfinite_count]`` of its shard as the last unpack wrote it.
@@ -690,10 +697,7 @@ class BucketReducer:
         pass, so reading them costs no pass over the shards.
         """
         if not self.stats_available:
-            raise RuntimeError(
-                "shard_stats() needs a reducer made with collect_stats=True and reduction='reduce_scatter' "
-                "(the all_to_all modes' unpacks compute no stats yet)"
-            )
+            raise RuntimeError("shard_stats() needs a reducer made with collect_stats=True")
         if self._in_step or any(b.stats is None for b in self._buckets):
             raise RuntimeError("no shard stats: a bucket was not unpacked since the last zero_grad(), or finish() is due")
         return [b.stats for b in self._buckets]

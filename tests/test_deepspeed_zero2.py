@@ -1027,6 +1027,8 @@ def _reduction_modes_rank(rank: int, world_size: int) -> dict:
     ):
         torch.manual_seed(0)
         engine, *_ = fds.initialize(model=MLP(), config=ds_config(2, flatgrad=flatgrad))
+        # Every mode's unpack computes the stats: the step takes its norm and overflow from them.
+        assert engine.optimizer._flatgrad._stats_usable(), flatgrad
         losses = train(engine, make_batches(rank, 4, 2, 13, 5))
         out[flatgrad.get("reduction", "reduce_scatter")] = (losses, params_of(engine))
     return out

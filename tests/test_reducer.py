@@ -711,3 +711,60 @@ def _collectives_rank(rank: int, world_size: int) -> dict:
 def test_modes_issue_one_all_to_all_per_bucket():
     for counts in run_ranks(_collectives_rank, 2, timeout=25):
         assert counts == {"exact": {"all_to_all_single": 1}, "int8": {"all_to_all_single": 1}}, counts
+
+
+def _mode_stats_rank(rank: int, world_size: int) -> dict:
+    """Per mode: each bucket's shard_stats() and the stats read from the shard it wrote, after a window of
+    2 micro-steps (the stats are of the accumulated shard), then with an inf gradient on rank 0."""
+    out = {}
+    for reduction in ("reduce_scatter", "exact", "int8", "fp8"):
+        torch.manual_seed(0)
+        model = _MLP()
+        reducer = BucketReducer(
+            build_buckets(model, 1500), comm_dtype=torch.bfloat16, reduction=reduction, block=64,
+            error_feedback=reduction in ("int8", "fp8"), collect_stats=True,
+        )  # fmt: skip
+        assert reducer.stats_available
+        rows = []
+        for poison in (False, True):
+            for step in range(2):
+                handle = None
+                if poison and rank == 0 and step == 1:  # before the reducer's hook packs and drops the grad
+
+                    def _inf(g: torch.Tensor) -> torch.Tensor:
+                        g = g.clone()
+                        g.view(-1)[0] = float("inf")
+                        return g
+
+                    handle = next(model.parameters()).register_hook(_inf)
+                model.loss(rank, step).backward()
+                if handle is not None:
+                    handle.remove()
+                reducer.finish()
+            stats = reducer.shard_stats()
+            for gs, got in zip(reducer.grad_shards(), stats):
+                written = gs.shard.float()
+                rows.append((got.clone(), written.square().sum(), int((~torch.isfinite(written)).sum())))
+            reducer.zero_grad()
+        out[reduction] = rows
+        reducer.remove_hooks()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shard_stats_of_every_mode_equal_the_norm_of_the_shard_written(world_size):
+    """The unpack's stats (fused in sum_sources / dequantize_sum for the all_to_all modes) are the sum of
+    squares (to fp32 rounding: the kernel sums per fixed chunk in double, torch here in fp32) and the
+    exact non-finite count of the accumulated shard."""
+    results = run_ranks(_mode_stats_rank, world_size, timeout=110)
+    for reduction in results[0]:  # the inf reached some rank's shard, and its stats count it
+        assert any(count > 0 for out in results for _, _, count in out[reduction]), reduction
+    for rank, out in enumerate(results):
+        for reduction, rows in out.items():
+            for got, sum_sq, count in rows:
+                assert got.dtype == torch.float32 and got.shape == (2,)
+                assert got[1].item() == count, (rank, reduction, got, count)
+                if count == 0:
+                    assert sum_sq > 0
+                    torch.testing.assert_close(got[0], sum_sq, rtol=1e-5, atol=0, msg=f"rank {rank} {reduction}")

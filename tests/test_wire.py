@@ -36,6 +36,16 @@ def _wire_buffer(world_size: int, shard_numel: int, block: int) -> torch.Tensor:
     return torch.full((world_size * wire.segment_bytes(shard_numel, block),), 0xAB, dtype=torch.uint8)
 
 
+def assert_stats_match(actual: torch.Tensor | None, expected: torch.Tensor | None) -> None:
+    """The regular unpack's rule (tests/test_kernels.py): sum_sq to fp32 rounding, since the
+    order of its sum is backend-specific (the reference sums in fp32 in torch's order, the
+    compiled backends per fixed chunk in double); the non-finite count exactly."""
+    assert actual is not None and expected is not None
+    assert actual.dtype == torch.float32 and actual.shape == (2,), (actual.dtype, actual.shape)
+    assert actual[1].item() == expected[1].item(), f"nonfinite count {actual[1].item()} vs {expected[1].item()}"
+    torch.testing.assert_close(actual[0].cpu(), expected[0].cpu(), rtol=1e-5, atol=0, equal_nan=True)
+
+
 def _meaningful(w: torch.Tensor, world_size: int, s: int, block: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     values, scales = wire_reference.wire_views(w, world_size, s, block, kind)
     return values.view(torch.uint8).clone(), scales.clone()
@@ -78,18 +88,27 @@ def test_quantize_matches_reference(backend, world_size, shard_numel, dtype, blo
     kind=st.sampled_from(wire.KINDS),
     scale=st.sampled_from([1.0, 0.25, 1 / 3]),
     accumulate=st.booleans(),
+    stats=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_dequantize_sum_matches_reference(backend, world_size, shard_numel, out_dtype, block, kind, scale, accumulate, seed):
+def test_dequantize_sum_matches_reference(
+    backend, world_size, shard_numel, out_dtype, block, kind, scale, accumulate, stats, seed
+):
     w = _wire_buffer(world_size, shard_numel, block)
     wire.quantize(_gradients(world_size, shard_numel, torch.float32, seed), world_size, block, kind, w, backend="torch")
     start = torch.randn(shard_numel, generator=torch.Generator().manual_seed(seed + 1)).to(out_dtype)
-    outs = []
+    if stats and seed % 3 == 0:  # the stats count what is written: an inf from the accumulated start
+        start[seed % shard_numel] = float("inf")
+    outs, results = [], []
     for name in ("torch", backend):
         out = start.clone()
-        wire.dequantize_sum(w, world_size, block, kind, out, scale, accumulate, backend=name)
+        results.append(wire.wire_kernels(name).dequantize_sum(w, world_size, block, kind, out, scale, accumulate, stats))
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), f"differ at {(outs[0] != outs[1]).nonzero()[:5].tolist()}"
+    if stats:
+        assert_stats_match(results[1], results[0])
+    else:
+        assert results == [None, None]
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -101,17 +120,92 @@ def test_dequantize_sum_matches_reference(backend, world_size, shard_numel, out_
     out_dtype=st.sampled_from(DTYPES),
     scale=st.sampled_from([1.0, 0.25, 1 / 3]),
     accumulate=st.booleans(),
+    stats=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_sum_sources_matches_reference(backend, world_size, shard_numel, src_dtype, out_dtype, scale, accumulate, seed):
+def test_sum_sources_matches_reference(
+    backend, world_size, shard_numel, src_dtype, out_dtype, scale, accumulate, stats, seed
+):
     recv = _gradients(world_size, shard_numel, src_dtype, seed)
+    if stats and seed % 3 == 0:  # non-finite sources give non-finite sums, which the stats count
+        recv[seed % recv.numel()] = float("inf") if seed % 2 else float("nan")
     start = torch.randn(shard_numel, generator=torch.Generator().manual_seed(seed + 1)).to(out_dtype)
-    outs = []
+    outs, results = [], []
     for name in ("torch", backend):
         out = start.clone()
-        wire.sum_sources(recv, world_size, out, scale, accumulate, backend=name)
+        results.append(wire.wire_kernels(name).sum_sources(recv, world_size, out, scale, accumulate, stats))
         outs.append(out)
-    assert torch.equal(outs[0], outs[1]), f"differ at {(outs[0] != outs[1]).nonzero()[:5].tolist()}"
+    same = (outs[0] == outs[1]) | (outs[0].isnan() & outs[1].isnan())
+    assert same.all(), f"differ at {(~same).nonzero()[:5].tolist()}"
+    if stats:
+        assert_stats_match(results[1], results[0])
+    else:
+        assert results == [None, None]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("op", ["sum_sources", "int8", "fp8"])
+def test_unpack_stats_do_not_depend_on_thread_count(backend, op):
+    """Fixed chunks, summed in order: the same bits with 1 and 2 threads (several chunks of work)."""
+    world_size, s, block = 3, 100_003 if backend == "cpu" else 5000, 256
+    grads = _gradients(world_size, s, torch.float32, 7)
+    w = _wire_buffer(world_size, s, block)
+    if op != "sum_sources":
+        wire.quantize(grads, world_size, block, op, w, backend="torch")
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.empty(s)
+            kernels = wire.wire_kernels(backend)
+            if op == "sum_sources":
+                results.append(kernels.sum_sources(grads, world_size, out, 0.5, False, True))
+            else:
+                results.append(kernels.dequantize_sum(w, world_size, block, op, out, 0.5, False, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+def test_public_unpacks_return_unpack_stats(backend):
+    from flatgrad.kernels import UnpackStats
+
+    recv = torch.tensor([3.0, 0.0, 4.0, float("inf")])
+    out = torch.empty(2)
+    stats = wire.sum_sources(recv, 2, out, backend=backend, return_stats=True)
+    assert isinstance(stats, UnpackStats) and stats.nonfinite.dtype == torch.bool
+    assert bool(stats.nonfinite) and stats.sum_sq.item() == float("inf")
+    assert wire.sum_sources(recv[:2], 2, out[:1], backend=backend) is None
+    w = _wire_buffer(2, 64, 32)
+    wire.quantize(torch.arange(128.0) - 64, 2, 32, "int8", w, backend="torch")
+    out = torch.empty(64)
+    stats = wire.dequantize_sum(w, 2, 32, "int8", out, backend=backend, return_stats=True)
+    assert not bool(stats.nonfinite)
+    torch.testing.assert_close(stats.sum_sq, out.square().sum(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+@pytest.mark.parametrize("shard_numel", [256, 15])
+def test_fp8_decode_matches_torch_cast(backend, shard_numel):
+    """Every e4m3fn byte, NaN bits included, decodes to torch's float8_e4m3fn -> float32 cast: through
+    the vector loop (256-element blocks) and through the scalar tail (15-element shards)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    for start in range(0, 256, shard_numel):
+        chunk = codes[start : start + shard_numel]
+        s = chunk.numel()
+        w = torch.zeros(wire.segment_bytes(s, 256), dtype=torch.uint8)
+        values, scales = wire_reference.wire_views(w, 1, s, 256, "fp8")
+        values.view(torch.uint8).copy_(chunk.view(1, -1))
+        scales.fill_(1.0)
+        out = torch.empty(s)
+        wire.dequantize_sum(w, 1, 256, "fp8", out, backend=backend)
+        want = chunk.view(torch.float8_e4m3fn).to(torch.float32)
+        if backend == "triton":  # its NaN bits are not pinned (see [Note: wire arithmetic contract])
+            assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out[~want.isnan()], want[~want.isnan()])
+        else:
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (start, out, want)
 
 
 def test_reference_sums_in_rank_order():
@@ -200,6 +294,8 @@ def test_compiled_ops_have_fakes():
     wire.wire_kernels("cpu")
     with FakeTensorMode():
         out = torch.empty(4)
-        torch.ops.flatgrad.wire_sum(torch.empty(8), 2, out, 1.0, False)
-        torch.ops.flatgrad.wire_dequantize_sum(torch.empty(200, dtype=torch.uint8), 2, 32, 0, out, 1.0, True)
+        assert torch.ops.flatgrad.wire_sum(torch.empty(8), 2, out, 1.0, False, True).shape == (2,)
+        assert torch.ops.flatgrad.wire_sum(torch.empty(8), 2, out, 1.0, False, False).shape == (0,)
+        stats = torch.ops.flatgrad.wire_dequantize_sum(torch.empty(200, dtype=torch.uint8), 2, 32, 0, out, 1.0, True, True)
+        assert stats.shape == (2,) and stats.dtype == torch.float32
         torch.ops.flatgrad.wire_quantize(torch.empty(8), 2, 32, 1, torch.empty(200, dtype=torch.uint8), None)

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "flatgrad/cuda_copy.cuh"
+#include "flatgrad/cuda_stats.cuh"
 #include "flatgrad/runs.h"
 
 namespace flatgrad {
@@ -42,7 +43,7 @@ namespace {
 // either side is 2-byte, or 2048 vectors of 4 for fp32 -> fp32: 4 or 8 per
 // thread, loaded kVecUnroll at a time (one or two passes).
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+static_assert(kThreads == kStatsThreads, "the stats reduction (flatgrad/cuda_stats.cuh) assumes 256 threads");
 
 // Where the data of tensor `index` of the call lives. The table is an int64
 // [T, 2] device tensor of (address, dtype code) rows (see table_col in
@@ -61,33 +62,6 @@ struct TensorTable {
     return entries == nullptr ? code0 : __ldg(entries + 2 * index + 1);
   }
 };
-
-// Sums two values over the block; the result is valid in thread 0. The order
-// of additions is fixed by the thread layout, so the result is deterministic.
-__device__ __forceinline__ void block_sum2(double& a, double& b) {
-  __shared__ double partial[2][kWarps];
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    a += __shfl_down_sync(0xffffffffu, a, offset);
-    b += __shfl_down_sync(0xffffffffu, b, offset);
-  }
-  if (lane == 0) {
-    partial[0][warp] = a;
-    partial[1][warp] = b;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    a = lane < kWarps ? partial[0][lane] : 0.0;
-    b = lane < kWarps ? partial[1][lane] : 0.0;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      a += __shfl_down_sync(0xffffffffu, a, offset);
-      b += __shfl_down_sync(0xffffffffu, b, offset);
-    }
-  }
-}
 
 // One block per pack run: copy `valid` elements of the run's tensor (cast to
 // out_t, scaled), then zero the rest of the run. The tensor's dtype is read
@@ -167,23 +141,6 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(
       partials[2 * run] = sum_sq;
       partials[2 * run + 1] = nonfinite;
     }
-  }
-}
-
-// result = [sum of partials[:, 0], sum of partials[:, 1]] as fp32, by one
-// block in a fixed order (deterministic for a given run table).
-__global__ void __launch_bounds__(kThreads)
-    stats_finish_kernel(const double* __restrict__ partials, int64_t num_runs, float* __restrict__ result) {
-  double sum_sq = 0.0;
-  double nonfinite = 0.0;
-  for (int64_t run = threadIdx.x; run < num_runs; run += kThreads) {
-    sum_sq += partials[2 * run];
-    nonfinite += partials[2 * run + 1];
-  }
-  block_sum2(sum_sq, nonfinite);
-  if (threadIdx.x == 0) {
-    result[0] = static_cast<float>(sum_sq);
-    result[1] = static_cast<float>(nonfinite);
   }
 }
 
@@ -418,7 +375,7 @@ at::Tensor launch_unpack_all(
         dispatch_unpack_out<scalar_t>(out_dtype, shard, runs, table, scale_f, scaled, accumulate, partial_ptr, stream);
       }));
   if (stats) {
-    stats_finish_kernel<<<1, kThreads, 0, stream>>>(partial_ptr, num_runs, result.data_ptr<float>());
+    stats_finish_kernel<<<1, kStatsThreads, 0, stream>>>(partial_ptr, num_runs, result.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return result;

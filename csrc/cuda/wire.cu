@@ -6,9 +6,15 @@
 // round-to-nearest intrinsic (__fadd_rn, __fmul_rn, __fdiv_rn), which nvcc
 // never contracts into an FMA; the sums run over ranks 0..W-1 in order.
 // Kernels launch on the current stream, and nothing syncs the host.
+//
+// With stats, every block writes the double partials of the values it wrote and
+// stats_finish_kernel (flatgrad/cuda_stats.cuh, shared with the regular unpack)
+// adds them in a fixed order: deterministic for a given shard size.
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -21,6 +27,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "flatgrad/cuda_stats.cuh"
 #include "flatgrad/wire.h"
 
 namespace flatgrad {
@@ -32,22 +39,48 @@ using wire::round16;
 using wire::segment_bytes;
 
 constexpr int kThreads = 256;
+static_assert(kThreads == kStatsThreads, "the stats reduction (flatgrad/cuda_stats.cuh) assumes 256 threads");
 
+// Writes out[i] and returns the value written, as fp32 (for the stats).
 template <typename out_t>
-__device__ __forceinline__ void finish(float acc, out_t* out, int64_t i, float scale, bool accumulate) {
+__device__ __forceinline__ float finish(float acc, out_t* out, int64_t i, float scale, bool accumulate) {
   if (scale != 1.0f) acc = __fmul_rn(acc, scale);
   if (accumulate) acc = __fadd_rn(static_cast<float>(out[i]), acc);
-  out[i] = static_cast<out_t>(acc);
+  const out_t written = static_cast<out_t>(acc);
+  out[i] = written;
+  return static_cast<float>(written);
 }
 
-template <typename src_t, typename out_t>
-__global__ void sum_kernel(const src_t* __restrict__ src, out_t* __restrict__ out, int64_t s, int64_t world_size,
-                           float scale, bool accumulate) {
+// Per thread: the sum of squares (double) and the non-finite count of the values it wrote.
+struct ThreadStats {
+  double sum_sq = 0.0;
+  double nonfinite = 0.0;
+  __device__ __forceinline__ void add(float v) {
+    sum_sq += static_cast<double>(v) * static_cast<double>(v);
+    nonfinite += (__float_as_uint(v) & 0x7F800000u) == 0x7F800000u ? 1.0 : 0.0;
+  }
+  // The block's partials to partials[blockIdx.x] (every thread of the block must call it).
+  __device__ __forceinline__ void store(double* __restrict__ partials) {
+    block_sum2(sum_sq, nonfinite);
+    if (threadIdx.x == 0) {
+      partials[2 * blockIdx.x] = sum_sq;
+      partials[2 * blockIdx.x + 1] = nonfinite;
+    }
+  }
+};
+
+template <typename src_t, typename out_t, bool kStats>
+__global__ void __launch_bounds__(kThreads) sum_kernel(const src_t* __restrict__ src, out_t* __restrict__ out, int64_t s,
+                                                       int64_t world_size, float scale, bool accumulate,
+                                                       double* __restrict__ partials) {
+  ThreadStats stats;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < s; i += int64_t(gridDim.x) * blockDim.x) {
     float acc = static_cast<float>(src[i]);
     for (int64_t w = 1; w < world_size; ++w) acc = __fadd_rn(acc, static_cast<float>(src[w * s + i]));
-    finish(acc, out, i, scale, accumulate);
+    const float written = finish(acc, out, i, scale, accumulate);
+    if constexpr (kStats) stats.add(written);
   }
+  if constexpr (kStats) stats.store(partials);
 }
 
 __device__ __forceinline__ float nan_max(float m, float a) { return (a > m || a != a) ? a : m; }
@@ -100,11 +133,13 @@ __global__ void quantize_kernel(const src_t* __restrict__ src, float* __restrict
 }
 
 // One CUDA block dequantizes and sums one quantization block of the W segments.
-template <typename out_t>
-__global__ void dequantize_sum_kernel(const uint8_t* __restrict__ wire_buf, out_t* __restrict__ out, int64_t s,
-                                      int64_t block, int64_t seg, int64_t world_size, int64_t kind, float scale,
-                                      bool accumulate) {
+template <typename out_t, bool kStats>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_sum_kernel(const uint8_t* __restrict__ wire_buf, out_t* __restrict__ out, int64_t s, int64_t block,
+                          int64_t seg, int64_t world_size, int64_t kind, float scale, bool accumulate,
+                          double* __restrict__ partials) {
   const int64_t j = blockIdx.x, first = j * block, n = min(block, s - first);
+  ThreadStats stats;
   for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
     float acc = 0.0f;
     for (int64_t w = 0; w < world_size; ++w) {
@@ -116,8 +151,30 @@ __global__ void dequantize_sum_kernel(const uint8_t* __restrict__ wire_buf, out_
       const float v = __fmul_rn(q, sc);
       acc = w == 0 ? v : __fadd_rn(acc, v);
     }
-    finish(acc, out, first + k, scale, accumulate);
+    const float written = finish(acc, out, first + k, scale, accumulate);
+    if constexpr (kStats) stats.add(written);
   }
+  if constexpr (kStats) stats.store(partials);
+}
+
+// The stats of `blocks` partials (or an empty tensor): the partials' buffer and the result.
+struct StatsBuffers {
+  at::Tensor partials;
+  at::Tensor result;
+  double* ptr() const { return partials.defined() ? partials.data_ptr<double>() : nullptr; }
+};
+
+StatsBuffers stats_buffers(bool stats, int64_t blocks, const at::Tensor& like) {
+  const auto f32 = like.options().dtype(at::kFloat);
+  if (!stats) return {at::Tensor(), at::empty({0}, f32)};
+  if (blocks == 0) return {at::Tensor(), at::zeros({2}, f32)};
+  return {at::empty({blocks, 2}, like.options().dtype(at::kDouble)), at::empty({2}, f32)};
+}
+
+void finish_stats(const StatsBuffers& b, int64_t blocks, cudaStream_t stream) {
+  if (!b.partials.defined()) return;
+  stats_finish_kernel<<<1, kStatsThreads, 0, stream>>>(b.ptr(), blocks, b.result.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void check_cuda(const at::Tensor& t, const char* what) {
@@ -127,23 +184,34 @@ void check_cuda(const at::Tensor& t, const char* what) {
 
 int grid_for(int64_t n) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535))); }
 
-void wire_sum_cuda(const at::Tensor& recv, int64_t world_size, const at::Tensor& out, double scale, bool accumulate) {
+at::Tensor wire_sum_cuda(const at::Tensor& recv, int64_t world_size, const at::Tensor& out, double scale,
+                         bool accumulate, bool stats) {
   check_cuda(recv, "recv");
   check_cuda(out, "out");
   const int64_t s = out.numel();
   TORCH_CHECK(world_size >= 1 && recv.numel() == world_size * s, "flatgrad::wire_sum: recv must hold W * S elements");
-  if (s == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
+  const int64_t blocks = s == 0 ? 0 : grid_for(s);
+  const StatsBuffers buffers = stats_buffers(stats, blocks, out);
+  if (s == 0) return buffers.result;
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, recv.scalar_type(), "wire_sum", [&] {
     using src_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "wire_sum_out", [&] {
-      sum_kernel<src_t, scalar_t><<<grid_for(s), kThreads, 0, stream>>>(
-          recv.const_data_ptr<src_t>(), out.mutable_data_ptr<scalar_t>(), s, world_size, static_cast<float>(scale),
-          accumulate);
+      if (stats) {
+        sum_kernel<src_t, scalar_t, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+            recv.const_data_ptr<src_t>(), out.mutable_data_ptr<scalar_t>(), s, world_size, static_cast<float>(scale),
+            accumulate, buffers.ptr());
+      } else {
+        sum_kernel<src_t, scalar_t, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+            recv.const_data_ptr<src_t>(), out.mutable_data_ptr<scalar_t>(), s, world_size, static_cast<float>(scale),
+            accumulate, nullptr);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
+  finish_stats(buffers, blocks, stream);
+  return buffers.result;
 }
 
 void wire_quantize_cuda(const at::Tensor& packed, int64_t world_size, int64_t block, int64_t kind,
@@ -174,8 +242,8 @@ void wire_quantize_cuda(const at::Tensor& packed, int64_t world_size, int64_t bl
   });
 }
 
-void wire_dequantize_sum_cuda(const at::Tensor& wire_buf, int64_t world_size, int64_t block, int64_t kind,
-                              const at::Tensor& out, double scale, bool accumulate) {
+at::Tensor wire_dequantize_sum_cuda(const at::Tensor& wire_buf, int64_t world_size, int64_t block, int64_t kind,
+                                    const at::Tensor& out, double scale, bool accumulate, bool stats) {
   check_cuda(wire_buf, "wire");
   check_cuda(out, "out");
   TORCH_CHECK(wire_buf.scalar_type() == at::kByte, "flatgrad::wire_dequantize_sum: wire must be uint8");
@@ -183,15 +251,26 @@ void wire_dequantize_sum_cuda(const at::Tensor& wire_buf, int64_t world_size, in
   TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, "flatgrad::wire_dequantize_sum: kind must be 0 or 1");
   const int64_t s = out.numel();
   TORCH_CHECK(wire_buf.numel() >= world_size * segment_bytes(s, block), "flatgrad::wire_dequantize_sum: wire too small");
-  if (s == 0) return;
+  const int64_t blocks = nblocks(s, block);
+  TORCH_CHECK(blocks <= INT32_MAX, "flatgrad::wire_dequantize_sum: too many blocks");
   const c10::cuda::CUDAGuard guard(out.device());
+  const StatsBuffers buffers = stats_buffers(stats, blocks, out);
+  if (s == 0) return buffers.result;
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "wire_dequantize_sum", [&] {
-    dequantize_sum_kernel<scalar_t><<<static_cast<unsigned>(nblocks(s, block)), kThreads, 0, stream>>>(
-        wire_buf.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), s, block, segment_bytes(s, block),
-        world_size, kind, static_cast<float>(scale), accumulate);
+    if (stats) {
+      dequantize_sum_kernel<scalar_t, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          wire_buf.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), s, block, segment_bytes(s, block),
+          world_size, kind, static_cast<float>(scale), accumulate, buffers.ptr());
+    } else {
+      dequantize_sum_kernel<scalar_t, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          wire_buf.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), s, block, segment_bytes(s, block),
+          world_size, kind, static_cast<float>(scale), accumulate, nullptr);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  finish_stats(buffers, blocks, stream);
+  return buffers.result;
 }
 
 }  // namespace

@@ -10,6 +10,11 @@ Public wrappers validate their arguments once, then dispatch to a backend:
 
 ``WireKernels`` (from ``wire_kernels(name)``) skips the checks; the reducer
 validates its buffers once at construction and calls it on the hot path.
+
+Both unpacks (``sum_sources``, ``dequantize_sum``) can also return the stats of
+what they wrote, in the same pass, as the regular ``unpack`` does: fp32
+``[sum_sq, nonfinite_count]`` from ``WireKernels``, an ``UnpackStats`` from the
+public wrappers (see [Note: wire arithmetic contract]).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from . import wire_reference
+from . import UnpackStats, wire_reference
 from ._plan import DTYPES
 from .wire_reference import KINDS, QMAX, nblocks, segment_bytes
 
@@ -51,15 +56,18 @@ def check_kind(kind: object, key: str = "kind") -> str:
 class WireKernels(Protocol):
     name: str
 
-    def sum_sources(self, recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None: ...
+    def sum_sources(
+        self, recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool, stats: bool = False
+    ) -> torch.Tensor | None: ...
 
     def quantize(
         self, packed: torch.Tensor, world_size: int, block: int, kind: str, wire: torch.Tensor, residual: torch.Tensor | None
     ) -> None: ...
 
     def dequantize_sum(
-        self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float, accumulate: bool
-    ) -> None: ...
+        self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float,
+        accumulate: bool, stats: bool = False,
+    ) -> torch.Tensor | None: ...  # fmt: skip
 
 
 class _Reference:
@@ -73,8 +81,11 @@ class _Compiled:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def sum_sources(self, recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None:
-        torch.ops.flatgrad.wire_sum(recv, world_size, out, scale, accumulate)
+    def sum_sources(
+        self, recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool, stats: bool = False
+    ) -> torch.Tensor | None:
+        result = torch.ops.flatgrad.wire_sum(recv, world_size, out, scale, accumulate, stats)
+        return result if stats else None
 
     def quantize(
         self, packed: torch.Tensor, world_size: int, block: int, kind: str, wire: torch.Tensor, residual: torch.Tensor | None
@@ -82,18 +93,27 @@ class _Compiled:
         torch.ops.flatgrad.wire_quantize(packed, world_size, block, _KIND_CODES[kind], wire, residual)
 
     def dequantize_sum(
-        self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float, accumulate: bool
-    ) -> None:
-        torch.ops.flatgrad.wire_dequantize_sum(wire, world_size, block, _KIND_CODES[kind], out, scale, accumulate)
+        self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float,
+        accumulate: bool, stats: bool = False,
+    ) -> torch.Tensor | None:  # fmt: skip
+        result = torch.ops.flatgrad.wire_dequantize_sum(
+            wire, world_size, block, _KIND_CODES[kind], out, scale, accumulate, stats
+        )
+        return result if stats else None
 
 
 @functools.lru_cache(maxsize=None)
 def _register_fakes() -> None:
     """Shape-only implementations of the compiled wire ops (they return nothing), for ``torch.compile``."""
 
+    def _stats_like(out: torch.Tensor, stats: bool) -> torch.Tensor:
+        return out.new_empty(2 if stats else 0, dtype=torch.float32)
+
     @torch.library.register_fake("flatgrad::wire_sum")
-    def _sum_fake(recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None:
-        return None
+    def _sum_fake(
+        recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool, stats: bool
+    ) -> torch.Tensor:
+        return _stats_like(out, stats)
 
     @torch.library.register_fake("flatgrad::wire_quantize")
     def _quantize_fake(
@@ -103,9 +123,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("flatgrad::wire_dequantize_sum")
     def _dequantize_sum_fake(
-        wire: torch.Tensor, world_size: int, block: int, kind: int, out: torch.Tensor, scale: float, accumulate: bool
-    ) -> None:
-        return None
+        wire: torch.Tensor, world_size: int, block: int, kind: int, out: torch.Tensor, scale: float, accumulate: bool,
+        stats: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        return _stats_like(out, stats)
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,17 +174,27 @@ def _check_flat(t: torch.Tensor, what: str, dtypes: tuple) -> None:
         raise ValueError(f"{what} has dtype {t.dtype}; expected one of {dtypes}")
 
 
+def _stats(result: torch.Tensor | None) -> UnpackStats | None:
+    return None if result is None else UnpackStats(result[0], result[1] > 0)
+
+
 def sum_sources(
     recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False,
-    backend: str | None = None,
-) -> None:  # fmt: skip
-    """``out (=|+=) scale * sum_w float32(recv chunk w)``, fp32, rank order (``exact`` mode's unpack)."""
+    backend: str | None = None, return_stats: bool = False,
+) -> UnpackStats | None:  # fmt: skip
+    """``out (=|+=) scale * sum_w float32(recv chunk w)``, fp32, rank order (``exact`` mode's unpack).
+
+    With ``return_stats`` returns the sum of squares and a non-finite flag of ``out`` as written.
+    """
     _check_flat(recv, "recv", DTYPES)
     _check_flat(out, "out", DTYPES)
     _check_world(world_size, recv.numel(), "recv")
     if recv.numel() != world_size * out.numel() or recv.device != out.device:
         raise ValueError(f"recv must hold world_size * out.numel() elements on out's device, got {recv.numel()}")
-    _backend(backend, out.device).sum_sources(recv, world_size, out, float(scale), bool(accumulate))
+    result = _backend(backend, out.device).sum_sources(
+        recv, world_size, out, float(scale), bool(accumulate), bool(return_stats)
+    )
+    return _stats(result)
 
 
 def quantize(
@@ -188,9 +219,12 @@ def quantize(
 
 def dequantize_sum(
     wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float = 1.0,
-    accumulate: bool = False, backend: str | None = None,
-) -> None:  # fmt: skip
-    """``out (=|+=) scale * sum_w dequantize(segment w)``, fp32, rank order (int8/fp8 modes' unpack)."""
+    accumulate: bool = False, backend: str | None = None, return_stats: bool = False,
+) -> UnpackStats | None:  # fmt: skip
+    """``out (=|+=) scale * sum_w dequantize(segment w)``, fp32, rank order (int8/fp8 modes' unpack).
+
+    With ``return_stats`` returns the sum of squares and a non-finite flag of ``out`` as written.
+    """
     _check_flat(wire, "wire", (torch.uint8,))
     _check_flat(out, "out", DTYPES)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -199,4 +233,7 @@ def dequantize_sum(
     check_kind(kind)
     if wire.numel() < world_size * segment_bytes(out.numel(), block) or wire.device != out.device:
         raise ValueError(f"wire needs {world_size * segment_bytes(out.numel(), block)} bytes on out's device")
-    _backend(backend, out.device).dequantize_sum(wire, world_size, block, kind, out, float(scale), bool(accumulate))
+    result = _backend(backend, out.device).dequantize_sum(
+        wire, world_size, block, kind, out, float(scale), bool(accumulate), bool(return_stats)
+    )
+    return _stats(result)

@@ -42,6 +42,12 @@ All arithmetic is fp32, round-to-nearest-even, no fused multiply-add.
   ``out = cast(float32(out) + acc)``.
 * A block holding inf or NaN produces non-finite values; their bits are not
   part of the contract.
+* Stats (both unpacks, optional): fp32 ``[sum_sq, nonfinite_count]`` of the values
+  as written to ``out`` (after the cast, and after the accumulate), as the regular
+  unpack's (see [Note: arithmetic contract] in ``reference.py``). The order of the
+  sum of squares is backend-specific but fixed for a given shape (no atomics, no
+  dependence on the thread count), so it matches this reference to fp32 rounding,
+  not bitwise; the count is exact.
 """
 
 from __future__ import annotations
@@ -117,23 +123,32 @@ def quantize(
         residual.view(world_size, s).copy_(x - deq)
 
 
-def _finish(acc: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool) -> None:
+def _finish(acc: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool, stats: bool) -> torch.Tensor | None:
     if scale != 1.0:
         acc = acc * scale
     if accumulate:
         out.copy_((out.to(torch.float32) + acc).to(out.dtype))
     else:
         out.copy_(acc.to(out.dtype))
+    if not stats:
+        return None
+    written = out.to(torch.float32)
+    return torch.stack([written.square().sum(), (~torch.isfinite(written)).sum().to(torch.float32)])
 
 
 @torch.no_grad()
-def sum_sources(recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None:
-    """``out (=|+=) scale * sum_w float32(recv[w])`` in rank order; ``recv`` holds ``W`` chunks of ``out.numel()``."""
+def sum_sources(
+    recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool, stats: bool = False
+) -> torch.Tensor | None:
+    """``out (=|+=) scale * sum_w float32(recv[w])`` in rank order; ``recv`` holds ``W`` chunks of ``out.numel()``.
+
+    With ``stats`` returns fp32 ``[sum_sq, nonfinite_count]`` of ``out`` as written.
+    """
     sources = recv.view(world_size, -1)
     acc = sources[0].to(torch.float32)
     for w in range(1, world_size):
         acc = acc + sources[w].to(torch.float32)
-    _finish(acc, out, scale, accumulate)
+    return _finish(acc, out, scale, accumulate, stats)
 
 
 @torch.no_grad()
@@ -145,12 +160,16 @@ def dequantize_sum(
     out: torch.Tensor,
     scale: float,
     accumulate: bool,
-) -> None:
-    """``out (=|+=) scale * sum_w dequantize(wire segment w)`` in rank order (``S = out.numel()``)."""
+    stats: bool = False,
+) -> torch.Tensor | None:
+    """``out (=|+=) scale * sum_w dequantize(wire segment w)`` in rank order (``S = out.numel()``).
+
+    With ``stats`` returns fp32 ``[sum_sq, nonfinite_count]`` of ``out`` as written.
+    """
     s = out.numel()
     values, scales = wire_views(wire, world_size, s, block, kind)
     expanded = scales.repeat_interleave(block, dim=1)[:, :s]
     acc = values[0].to(torch.float32) * expanded[0]
     for w in range(1, world_size):
         acc = acc + values[w].to(torch.float32) * expanded[w]
-    _finish(acc, out, scale, accumulate)
+    return _finish(acc, out, scale, accumulate, stats)

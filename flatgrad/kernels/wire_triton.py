@@ -11,6 +11,11 @@ and on sm_90 alike, where Triton's own conversions differ between them:
   even for ``|y| < 2**22``), and fp8 e4m3fn is encoded and decoded with integer
   bit operations (the same trick at the value's quantum), so no backend-specific
   float8 cast is involved.
+
+With stats, each program stores the fp32 sum of squares and the non-finite count
+of the values it wrote, and torch sums those partials in program order, as the
+regular unpack does (``triton_backend._launch_unpack``): deterministic for a
+given shape.
 """
 
 from __future__ import annotations
@@ -64,23 +69,33 @@ def _fp8_decode(code):
 
 
 @_jit
-def _finish(acc, out_ptr, offs, mask, scale, ACCUMULATE: tl.constexpr):
+def _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE: tl.constexpr, STATS: tl.constexpr):
     if scale != 1.0:
         acc = acc * scale
     if ACCUMULATE:
         acc = _to_f32(tl.load(out_ptr + offs, mask=mask, other=0)) + acc
-    tl.store(out_ptr + offs, _from_f32(acc, out_ptr.dtype.element_ty), mask=mask)
+    written = _from_f32(acc, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, written, mask=mask)
+    if STATS:
+        pid = tl.program_id(0).to(tl.int64)
+        w = tl.where(mask, _to_f32(written), 0.0)
+        tl.store(sum_sq_ptr + pid, tl.sum(w * w, axis=0))
+        nonfinite = (w.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
+        tl.store(nonfinite_ptr + pid, tl.sum(nonfinite.to(tl.int32), axis=0))
 
 
 @_jit
-def _sum_kernel(src_ptr, out_ptr, shard_numel, world_size, scale, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_kernel(
+    src_ptr, out_ptr, shard_numel, world_size, scale, sum_sq_ptr, nonfinite_ptr,
+    ACCUMULATE: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     """One program sums ``BLOCK`` elements of the ``W`` sources in rank order."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < shard_numel
     acc = _to_f32(tl.load(src_ptr + offs, mask=mask, other=0))
     for w in range(1, world_size):
         acc = acc + _to_f32(tl.load(src_ptr + w * shard_numel + offs, mask=mask, other=0))
-    _finish(acc, out_ptr, offs, mask, scale, ACCUMULATE)
+    _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE, STATS)
 
 
 @_jit
@@ -122,8 +137,8 @@ def _quantize_kernel(
 
 @_jit
 def _dequantize_sum_kernel(
-    values_ptr, scales_ptr, out_ptr, shard_numel, seg, scales_at, world_size, scale,
-    KIND: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr,
+    values_ptr, scales_ptr, out_ptr, shard_numel, seg, scales_at, world_size, scale, sum_sq_ptr, nonfinite_ptr,
+    KIND: tl.constexpr, ACCUMULATE: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One program dequantizes and sums, in rank order, one block of the ``W`` segments."""
     j = tl.program_id(0).to(tl.int64)
@@ -138,7 +153,23 @@ def _dequantize_sum_kernel(
             q = _fp8_decode(raw & 0xFF)
         v = q * tl.load(scales_ptr + (w * seg + scales_at) // 4 + j)
         acc = tl.where(w == 0, v, acc + v)
-    _finish(acc, out_ptr, offs, mask, scale, ACCUMULATE)
+    _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE, STATS)
+
+
+def _partials(programs: int, stats: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_sq fp32 [programs], nonfinite int32 [programs])``: one allocation, or 1-element dummies without stats."""
+    workspace = torch.empty(2 * max(programs, 1) if stats else 2, dtype=torch.int32, device=device)
+    half = workspace.numel() // 2
+    return workspace[:half].view(torch.float32), workspace[half:]
+
+
+def _reduce(sum_sq: torch.Tensor, nonfinite: torch.Tensor, programs: int, stats: bool) -> torch.Tensor | None:
+    """fp32 ``[sum_sq, nonfinite_count]`` of the per-program partials, summed by torch in a fixed order."""
+    if not stats:
+        return None
+    if programs == 0:
+        return torch.zeros(2, dtype=torch.float32, device=sum_sq.device)
+    return torch.stack([sum_sq[:programs].sum(), nonfinite[:programs].sum().to(torch.float32)])
 
 
 class Backend:
@@ -146,10 +177,18 @@ class Backend:
 
     name = "triton"
 
-    def sum_sources(self, recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool) -> None:
+    def sum_sources(
+        self, recv: torch.Tensor, world_size: int, out: torch.Tensor, scale: float, accumulate: bool, stats: bool = False
+    ) -> torch.Tensor | None:
         s = out.numel()
-        grid = (triton.cdiv(s, _SUM_BLOCK),)
-        _sum_kernel[grid](recv, out, s, world_size, scale, ACCUMULATE=accumulate, BLOCK=_SUM_BLOCK, **_OPTIONS)
+        programs = triton.cdiv(s, _SUM_BLOCK)
+        sum_sq, nonfinite = _partials(programs, stats, out.device)
+        if programs:
+            _sum_kernel[(programs,)](
+                recv, out, s, world_size, scale, sum_sq, nonfinite, ACCUMULATE=accumulate, STATS=stats,
+                BLOCK=_SUM_BLOCK, **_OPTIONS,
+            )  # fmt: skip
+        return _reduce(sum_sq, nonfinite, programs, stats)
 
     def quantize(
         self, packed: torch.Tensor, world_size: int, block: int, kind: str, wire: torch.Tensor, residual: torch.Tensor | None
@@ -164,14 +203,24 @@ class Backend:
         )  # fmt: skip
 
     def dequantize_sum(
-        self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float, accumulate: bool
-    ) -> None:
+        self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float,
+        accumulate: bool, stats: bool = False,
+    ) -> torch.Tensor | None:  # fmt: skip
         s = out.numel()
+        programs = nblocks(s, block)
+        sum_sq, nonfinite = _partials(programs, stats, out.device)
         wire = wire[: world_size * segment_bytes(s, block)]
-        _dequantize_sum_kernel[(nblocks(s, block),)](
-            wire.view(torch.int8), wire.view(torch.float32), out, s, segment_bytes(s, block), round16(s), world_size,
-            scale, KIND=_KINDS[kind], ACCUMULATE=accumulate, BLOCK=block, **_OPTIONS,
-        )  # fmt: skip
+        if programs:
+            _dequantize_sum_kernel[(programs,)](
+                wire.view(torch.int8), wire.view(torch.float32), out, s, segment_bytes(s, block), round16(s),
+                world_size, scale, sum_sq, nonfinite, KIND=_KINDS[kind], ACCUMULATE=accumulate, STATS=stats,
+                BLOCK=block, **_OPTIONS,
+            )  # fmt: skip
+        return _reduce(sum_sq, nonfinite, programs, stats)
+
+
+def _flags(accumulate: bool, stats: bool) -> str:
+    return "".join(f",{flag}" for flag, on in (("accumulate", accumulate), ("stats", stats)) if on)
 
 
 def kernel_specs(block: int = 256) -> list:
@@ -182,13 +231,14 @@ def kernel_specs(block: int = 256) -> list:
     specs = []
     for src in short.values():
         for out in short.values():
-            for accumulate in (False, True):
+            for accumulate, stats in ((False, False), (True, False), (False, True), (True, True)):
                 signature = {
                     "src_ptr": f"*{src}", "out_ptr": f"*{out}", "shard_numel": "i64", "world_size": "i32",
-                    "scale": "fp32", "ACCUMULATE": "constexpr", "BLOCK": "constexpr",
+                    "scale": "fp32", "sum_sq_ptr": "*fp32", "nonfinite_ptr": "*i32", "ACCUMULATE": "constexpr",
+                    "STATS": "constexpr", "BLOCK": "constexpr",
                 }  # fmt: skip
-                constexprs = {"ACCUMULATE": accumulate, "BLOCK": _SUM_BLOCK}
-                name = f"_sum_kernel[{src}->{out}{',accumulate' if accumulate else ''}]"
+                constexprs = {"ACCUMULATE": accumulate, "STATS": stats, "BLOCK": _SUM_BLOCK}
+                name = f"_sum_kernel[{src}->{out}{_flags(accumulate, stats)}]"
                 specs.append(KernelSpec(name, _sum_kernel, signature, constexprs, dict(_OPTIONS)))
     for kind, code in _KINDS.items():
         for src in short.values():
@@ -202,13 +252,14 @@ def kernel_specs(block: int = 256) -> list:
                 name = f"_quantize_kernel[{src}->{kind}{',residual' if has_res else ''}]"
                 specs.append(KernelSpec(name, _quantize_kernel, signature, constexprs, dict(_OPTIONS)))
         for out in short.values():
-            for accumulate in (False, True):
+            for accumulate, stats in ((False, False), (True, False), (False, True), (True, True)):
                 signature = {
                     "values_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": f"*{out}", "shard_numel": "i64",
-                    "seg": "i64", "scales_at": "i64", "world_size": "i32", "scale": "fp32",
-                    "KIND": "constexpr", "ACCUMULATE": "constexpr", "BLOCK": "constexpr",
+                    "seg": "i64", "scales_at": "i64", "world_size": "i32", "scale": "fp32", "sum_sq_ptr": "*fp32",
+                    "nonfinite_ptr": "*i32", "KIND": "constexpr", "ACCUMULATE": "constexpr", "STATS": "constexpr",
+                    "BLOCK": "constexpr",
                 }  # fmt: skip
-                constexprs = {"KIND": code, "ACCUMULATE": accumulate, "BLOCK": block}
-                name = f"_dequantize_sum_kernel[{kind}->{out}{',accumulate' if accumulate else ''}]"
+                constexprs = {"KIND": code, "ACCUMULATE": accumulate, "STATS": stats, "BLOCK": block}
+                name = f"_dequantize_sum_kernel[{kind}->{out}{_flags(accumulate, stats)}]"
                 specs.append(KernelSpec(name, _dequantize_sum_kernel, signature, constexprs, dict(_OPTIONS)))
     return specs

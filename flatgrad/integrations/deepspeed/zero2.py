@@ -856,7 +856,7 @@ class Zero2Reduction:
         if o.mpu is not None or o.model_parallel_group is not None:
             return False
         if not all(r.stats_available for r in self.reducers):
-            return False  # an all_to_all reduction mode: its unpack computes no stats yet
+            return False  # a reducer made without collect_stats (every reduction mode's unpack computes them)
         return not any(getattr(p, PIPE_REPLICATED, False) for g in o.bit16_groups for p in g)
 
     def _reduced_stats(self) -> torch.Tensor:
