@@ -10,9 +10,13 @@ params), so that ``reduce_bucket_size`` = P / G gives exactly G sub-groups for
 G in ``--sub-groups``. Per G, on the same ranks, stock DeepSpeed (one param
 group whatever the bucket) and flatgrad train ``--steps`` timed steps after
 ``--warmup``; per step, the slowest rank's wall time of ``engine.step()`` at the
-boundary (the optimizer step alone) and of forward + backward + step, and the
-collectives ``step()`` issues. Figures: median and min over the timed steps,
-and ratios to flatgrad at G = 1 and to stock at the same G. Example::
+boundary (the optimizer step alone), its training-thread CPU time
+(``time.thread_time``: what the step computes itself, which holds on a loaded
+machine where wall time does not), the wall time of forward + backward + step,
+and the collectives ``step()`` issues (a coalesced group counts once).
+Figures: median and min over the timed steps, and ratios to flatgrad at G = 1
+and to stock at the same G. Also run as ``python bench/zero_step.py
+--sub-groups ...``. Example::
 
     python bench/step_sweep.py                       # G = 1, 10, 100, 400 on 2 ranks
     python bench/step_sweep.py --sub-groups 1 100 --out step_sweep.json
@@ -122,22 +126,24 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
                     cfg["flatgrad"] = {}
                     initialize = flatgrad_ds.initialize
                 engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
-                step_s, total_s, calls = [], [], []
+                step_s, step_cpu_s, total_s, calls = [], [], [], []
                 for k, (x, y) in enumerate(batches):
                     t0 = time.perf_counter()
                     loss = engine(x, y)
                     engine.backward(loss)
                     counted.clear()
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.thread_time()
                     engine.step()
-                    t2 = time.perf_counter()
+                    t2, c2 = time.perf_counter(), time.thread_time()
                     if k >= job["warmup"]:
                         step_s.append(t2 - t1)
+                        step_cpu_s.append(c2 - c1)
                         total_s.append(t2 - t0)
                         calls.append(len(counted))
                 out[f"{setup}/{groups}"] = {
                     "sub_groups": len(engine.optimizer.bit16_groups),
                     "step_s": step_s,
+                    "step_cpu_s": step_cpu_s,
                     "total_s": total_s,
                     "step_calls": max(calls),
                 }
@@ -152,7 +158,9 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
 def _figures(per_rank: list[dict], key: str) -> dict:
     entries = [r[key] for r in per_rank]
     steps = len(entries[0]["step_s"])
-    slowest = {name: [max(e[name][k] for e in entries) for k in range(steps)] for name in ("step_s", "total_s")}
+    slowest = {
+        name: [max(e[name][k] for e in entries) for k in range(steps)] for name in ("step_s", "step_cpu_s", "total_s")
+    }
     return {
         "sub_groups": entries[0]["sub_groups"],
         "step_calls": max(e["step_calls"] for e in entries),
@@ -178,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = {key: _figures(per_rank, key) for key in per_rank[0]}
     base = rows[f"flatgrad/{args.sub_groups[0]}"]
     print(f"\n{'setup':10} {'G':>4} {'sub-groups':>10} {'step ms (min)':>16} {'x flatgrad G=' + str(args.sub_groups[0]):>15} "
-          f"{'x stock':>8} {'fwd+bwd+step ms':>16} {'step calls':>10}")  # fmt: skip
+          f"{'x stock':>8} {'step CPU ms (min)':>18} {'CPU x G=' + str(args.sub_groups[0]):>10} {'x stock':>8} "
+          f"{'fwd+bwd+step ms':>16} {'step calls':>10}")  # fmt: skip
     for groups in args.sub_groups:
         for setup in _SETUPS:
             r = rows[f"{setup}/{groups}"]
@@ -187,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{setup:10} {groups:>4} {r['sub_groups']:>10} "
                 f"{r['step_s_median'] * 1e3:8.1f} ({r['step_s_min'] * 1e3:5.1f}) "
                 f"{r['step_s_median'] / base['step_s_median']:>15.2f} {r['step_s_median'] / stock['step_s_median']:>8.2f} "
+                f"{r['step_cpu_s_median'] * 1e3:9.1f} ({r['step_cpu_s_min'] * 1e3:5.1f}) "
+                f"{r['step_cpu_s_median'] / base['step_cpu_s_median']:>10.2f} "
+                f"{r['step_cpu_s_median'] / stock['step_cpu_s_median']:>8.2f} "
                 f"{r['total_s_median'] * 1e3:>16.1f} {r['step_calls']:>10}"
             )
     if args.out:

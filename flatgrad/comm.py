@@ -209,6 +209,31 @@ def reduce_scatter(
     return dist.reduce_scatter(output, input_chunks, op=op, group=group, async_op=async_op)
 
 
+def gather_batches(numels: Sequence[int], batch_numel: int | None) -> list[list[int]]:
+    """The buffers (by index) of each coalesced all_gather ``all_gather_in_place`` launches.
+
+    First fit, largest first, into groups of at most ``batch_numel`` elements (a
+    buffer larger than that goes alone): few groups, the same on every rank.
+    ``None``: one group. A caller that gathers the same buffers every step can
+    plan this once and pass each group with ``batch_numel=None``.
+    """
+    if batch_numel is None:
+        return [list(range(len(numels)))] if len(numels) else []
+    batches: list[list[int]] = []
+    filled: list[int] = []
+    for k in sorted(range(len(numels)), key=lambda k: -numels[k]):
+        n = numels[k]
+        for j, f in enumerate(filled):
+            if f + n <= batch_numel:
+                batches[j].append(k)
+                filled[j] += n
+                break
+        else:
+            batches.append([k])
+            filled.append(n)
+    return batches
+
+
 def all_gather_in_place(
     buffers: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None, batch_numel: int | None = None
 ) -> int:
@@ -239,19 +264,7 @@ def all_gather_in_place(
         if b.dtype != buffers[0].dtype or b.device != buffers[0].device:
             raise ValueError(f"buffers[{k}] is {b.dtype} on {b.device}; buffers[0] is {buffers[0].dtype} on {buffers[0].device}")
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    if batch_numel is None:
-        batches = [list(buffers)]
-    else:  # first fit, largest first: few launches within the bound, the same on every rank
-        batches, filled = [], []
-        for k in sorted(range(len(buffers)), key=lambda k: -buffers[k].numel()):
-            n = buffers[k].numel()
-            slot = next((j for j, f in enumerate(filled) if f + n <= batch_numel), None)
-            if slot is None:
-                batches.append([])
-                filled.append(0)
-                slot = len(batches) - 1
-            batches[slot].append(buffers[k])
-            filled[slot] += n
+    batches = [[buffers[k] for k in batch] for batch in gather_batches([b.numel() for b in buffers], batch_numel)]
     for batch in batches:
         if len(batch) == 1:
             gather(batch[0], batch[0].chunk(world_size)[rank], group=group)

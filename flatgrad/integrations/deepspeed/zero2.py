@@ -372,6 +372,16 @@ def _same_setting(a: Any, b: Any) -> bool:
         return False
 
 
+def _same_settings(group: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Whether two param groups have the same keys and equal values but for ``params``."""
+    if len(group) != len(other):
+        return False
+    for k, v in group.items():
+        if k != "params" and (k not in other or not _same_setting(other[k], v)):
+            return False
+    return True
+
+
 def _view_plan(
     layout: Layout, rank: int, params: Sequence[torch.Tensor]
 ) -> list[tuple[int, int, torch.Size | None]]:
@@ -525,7 +535,8 @@ class Zero2Reduction:
             for i, layout in enumerate(self.layouts)
         ]
         self.partitions: list[Any] | None = None
-        self._gather_plan: list[tuple[Any, list[int], int | None]] | None = None
+        self._gather_plan: list[tuple[Any, list[int]]] | None = None
+        self._bit16_viewed = [False] * len(self.layouts)
         self._window_open = False
         self.reductions = 0
         # MoE sub-groups by expert group, for the norm (stock averages them over that group).
@@ -679,32 +690,68 @@ class Zero2Reduction:
             o.averaged_gradients[i] = None
             o.all_grad_tensors[i] = None
             grads.append(grad)
-        o.unscale_and_clip_grads(grads, norm)  # one combined scale for all, as stock's per-group calls compute
+        self._unscale_and_clip(grads, norm)
         o.timers(OPTIMIZER_GRADIENTS_TIMER).stop()
 
         o.timers(OPTIMIZER_STEP_TIMER).start()
         self._optimizer_step_all()
         del grads
         bit16, fp32 = [], []
-        for i in range(len(o.bit16_groups)):
+        for i, (reducer, _) in enumerate(self._slot):
             o.single_partition_of_fp32_groups[i].grad = None
-            rank = dist.get_rank(group=o.real_dp_process_group[i])
-            bit16.append(o.parallel_partitioned_bit16_groups[i][rank].data)
+            bit16.append(o.parallel_partitioned_bit16_groups[i][reducer.rank].data)
             fp32.append(o.single_partition_of_fp32_groups[i].data)
         torch._foreach_copy_(bit16, fp32)
         self.release()  # the partitions are consumed: free them before the all_gather, as stock frees its grads
         o.timers(OPTIMIZER_STEP_TIMER).stop()
 
         o.timers(OPTIMIZER_ALLGATHER_TIMER).start()
-        for pg, indices, batch_numel in self._gathers():  # see [Note: ZeRO-2 step]
-            comm.all_gather_in_place([o.bit16_groups_flat[i] for i in indices], group=pg, batch_numel=batch_numel)
+        for pg, batch in self._gathers():  # see [Note: ZeRO-2 step]
+            comm.all_gather_in_place([o.bit16_groups_flat[i] for i in batch], group=pg)
         o.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
-        for i in range(len(o.bit16_groups)):
-            o._update_model_bit16_weights(i)
+        self._update_bit16_views()
         o.timers.log(OPTIMIZER_TIMERS)
 
-    def _gathers(self) -> list[tuple[Any, list[int], int | None]]:
-        """Per process group: its sub-groups and the bound of one coalesced all_gather, planned once.
+    def _unscale_and_clip(self, grads: list[torch.Tensor], norm: Any) -> None:
+        """Stock's ``unscale_and_clip_grads`` with one multi-tensor multiply: the same scale, the same products.
+
+        Stock computes one combined scale from the global norm and multiplies every
+        group's gradient by it, one ``mul_`` per group (per sub-group here).
+        """
+        from deepspeed.runtime.utils import is_invalid_grad_norm
+
+        o = self.optimizer
+        if o.clip_grad == 0.0 and o.loss_scale == 1.0:
+            return
+        combined_scale = o.loss_scale
+        if o.clip_grad > 0.0:
+            clip_norm = norm
+            if is_invalid_grad_norm(clip_norm):
+                clip_norm = torch.tensor(float("inf"), dtype=torch.float, device=o.device)
+            clip = torch.clamp(((clip_norm / o.loss_scale) + 1e-6) / o.clip_grad, min=1.0)
+            combined_scale = clip * o.loss_scale
+        torch._foreach_mul_(grads, 1.0 / combined_scale)
+
+    def _update_bit16_views(self) -> None:
+        """Stock's ``_update_model_bit16_weights`` for every sub-group whose params are not views of its flat.
+
+        Stock points every param at its slice of the bit16 flat again after each
+        all_gather: one Python loop over the params of every sub-group per step.
+        The all_gather writes the flats in place, so after the first step that only
+        repeats itself; it runs again for a sub-group whose flat or whose first or
+        last param moved (a checkpoint load, a user's ``p.data = ...``).
+        """
+        o = self.optimizer
+        for i, flat in enumerate(o.bit16_groups_flat):
+            params, offsets = o.round_robin_bit16_groups[i], o.round_robin_bit16_offsets[i]
+            ends = (params[0], offsets[0]), (params[-1], offsets[-1])
+            base, size = flat.data_ptr(), flat.element_size()
+            if any(p.data_ptr() != base + offset * size for p, offset in ends) or not self._bit16_viewed[i]:
+                o._update_model_bit16_weights(i)
+                self._bit16_viewed[i] = True
+
+    def _gathers(self) -> list[tuple[Any, list[int]]]:
+        """The coalesced all_gathers of the step: (process group, sub-groups), planned once.
 
         NCCL coalesces with no copy: no bound. gloo stages a coalesced group in
         flat buffers of (1 + 1/W) times its elements, where stock's one call per
@@ -727,7 +774,8 @@ class Zero2Reduction:
                         origin_numel[origins[i]] = origin_numel.get(origins[i], 0) + self.layouts[i].numel
                     stock_flat = max(origin_numel.values())
                     batch_numel = max(1, min(int(o.allgather_bucket_size), stock_flat * w // (w + 1)))
-                plan.append((reducer.process_group, indices, batch_numel))
+                for batch in comm.gather_batches([f.numel() for f in flats], batch_numel):
+                    plan.append((reducer.process_group, [indices[k] for k in batch]))
             self._gather_plan = plan
         return self._gather_plan
 
@@ -741,28 +789,39 @@ class Zero2Reduction:
         update over all their partitions; the state is per parameter, so the
         update is the same. What the optimizer writes back into a group's keys goes
         back to every sub-group of it.
+
+        A merged group whose ``foreach`` is ``None`` (torch's "let me choose") runs
+        with ``foreach=True``: torch picks the per-tensor loop for CPU tensors, which
+        was sized for stock's one flat tensor per group and costs a Python loop per
+        sub-group here; the multi-tensor kernels compute the same update (bitwise
+        against stock, tested). A ``foreach`` the user set is left as it is.
         """
         o = self.optimizer
         groups = o.optimizer.param_groups
         merged: list[dict] = []
         members: list[list[dict]] = []
+        last = -1  # the merged group the previous sub-group joined: sub-groups of one param group come in a row
         for group in groups:
-            settings = {k: v for k, v in group.items() if k != "params"}
-            for candidate, subs in zip(merged, members):
-                if len(candidate) == len(settings) + 1 and all(
-                    k in candidate and _same_setting(candidate[k], v) for k, v in settings.items()
-                ):
-                    candidate["params"].extend(group["params"])
-                    subs.append(group)
-                    break
+            if last >= 0 and _same_settings(group, members[last][-1]):
+                k = last
             else:
-                merged.append({**settings, "params": list(group["params"])})
-                members.append([group])
+                k = next((j for j, candidate in enumerate(merged) if _same_settings(group, candidate)), -1)
+            if k < 0:
+                merged.append({**{key: v for key, v in group.items() if key != "params"}, "params": []})
+                members.append([])
+            merged[k]["params"].extend(group["params"])
+            members[k].append(group)
+            last = k if k >= 0 else len(merged) - 1
+        chose = [g for g, subs in zip(merged, members) if len(subs) > 1 and "foreach" in g and g["foreach"] is None]
+        for group in chose:
+            group["foreach"] = True
         o.optimizer.param_groups = merged
         try:
             o.optimizer.step()
         finally:
             o.optimizer.param_groups = groups
+            for group in chose:
+                group["foreach"] = None
         for group, subs in zip(merged, members):
             for sub in subs:
                 for k, v in group.items():
