@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A tiny configuration: the point is the plumbing, not the figures.
 TINY = [
     "bench", "--quick", "--hidden", "32", "--layers", "1", "--small-tensors", "20",
-    "--repeats", "2", "--warmup", "0", "--world-size", "4", "--device", "cpu",
+    "--repeats", "2", "--warmup", "0", "--world-size", "4", "--device", "cpu", "--wire-numel", "4096",
 ]
 
 
@@ -65,6 +65,15 @@ def test_bench_writes_json_with_every_row(tmp_path, capsys):
     assert "(d) roofline copy_" in table and "(a) deepspeed zero3 cat+div" in table
     assert doc["machine"]["cpu"] in table
 
+    # The reduction modes' W-source unpacks, against the copy roofline (issue 12).
+    wire = doc["wire_unpack"]
+    assert (wire["numel"], wire["world"]) == (4096, 4) and wire["copy_bandwidth"] > 0
+    modes = [(r["mode"], r["accumulate"]) for r in wire["rows"]]
+    assert modes == [(m, a) for m in ("exact (bf16)", "int8", "fp8") for a in (False, True)]
+    for r in wire["rows"]:
+        assert r["bytes"] > 0 and 0 < r["seconds"] <= r["median_seconds"] and r["vs_roofline"] > 0, r
+    assert "W-source unpacks of the reduction modes" in table
+
 
 def test_bench_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
@@ -81,6 +90,7 @@ def test_bench_plot_is_a_png(tmp_path):
         (["--threads", "0"], "--threads must be >= 1"),
         (["--backends", "nope"], "--backends: unknown 'nope'"),
         (["--buckets", "huge"], "--buckets: unknown 'huge'"),
+        (["--wire-numel", "-1"], "--wire-numel must be >= 0"),
     ],
 )
 def test_bench_bad_options_name_the_option(args, message, capsys):

@@ -905,6 +905,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads before measuring")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--plot", help="write a PNG chart here (needs matplotlib)")
+    parser.add_argument(
+        "--wire-numel", type=int,
+        help="shard elements of the reduction modes' W-source unpack rows (default 4194304; --quick: 262144; 0: skip)",
+    )  # fmt: skip
 
 
 def _split(text: str, name: str, allowed: Sequence[str]) -> tuple[str, ...]:
@@ -926,6 +930,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     values["world_size"] = args.world_size
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.wire_numel is not None and args.wire_numel < 0:
+        raise ValueError(f"--wire-numel must be >= 0, got {args.wire_numel}")
     minimums = {"world_size": 1, "repeats": 1, "warmup": 0, "hidden": 1, "layers": 1, "small_tensors": 1}
     for field, minimum in minimums.items():
         if field in values and values[field] < minimum:
@@ -959,6 +965,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     doc = run_benchmark(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(doc))
+    wire_numel = args.wire_numel if args.wire_numel is not None else (1 << 18 if args.quick else 1 << 22)
+    if wire_numel > 0 and "cpu" in config.devices and flatgrad.kernels.available_backends()["cpu"].available:
+        from . import wire_unpack
+
+        doc["wire_unpack"] = wire_unpack.measure(wire_numel, min(config.world_size, 8), repeat=config.repeats)
+        print()
+        print(wire_unpack.format_table(doc["wire_unpack"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
