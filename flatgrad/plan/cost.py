@@ -291,7 +291,8 @@ def reduction_calls(
     part = numel // len(node)  # what this rank owns after the node stage; the rail splits it n ways
 
     def quantized(n: int, members: range) -> Collective:
-        return Collective("all_to_all", len(members) * wire.segment_bytes(n // len(members), block), torch.uint8, members, payload=n)
+        nbytes = len(members) * wire.segment_bytes(n // len(members), block)
+        return Collective("all_to_all", nbytes, torch.uint8, members, payload=n)
 
     if reduction == "2d_reduce_scatter":
         calls = [Collective("reduce_scatter", numel, dtype, node), Collective("reduce_scatter", part, dtype, rail)]

@@ -100,7 +100,8 @@ def flatgrad_zero2(
         if len(ranks[s]) > 1:
             layout = layouts[s]
             if reduction == "reduce_scatter":
-                calls.append(Collective("reduce_scatter", layout.numel, comm_dtype, ranks[s], payload=layout.numel_unpadded))
+                payload = layout.numel_unpadded
+                calls.append(Collective("reduce_scatter", layout.numel, comm_dtype, ranks[s], payload=payload))
             else:
                 calls.extend(reduction_calls(
                     reduction, layout.numel, comm_dtype, ranks[s], rank=rank, block=block, gpus_per_node=gpus_per_node,

@@ -250,11 +250,13 @@ def modes_text(spec: ModelSpec, runs: ModeRuns, cost: CostModel, config: Mapping
         if ok:
             best = min(ok, key=lambda r: r["time_s"])
             flat = min((r for r in ok if r["mode"] in FLAT_MODES), key=lambda r: r["time_s"])
-            lines.append(f"fastest: {best['mode']} ({_time(best['time_s'])}); fastest flat mode (what the reducer runs): "
-                         f"{flat['mode']} ({_time(flat['time_s'])})")  # fmt: skip
+            lines.append(
+                f"fastest: {best['mode']} ({_time(best['time_s'])}); "
+                f"fastest flat mode (what the reducer runs): {flat['mode']} ({_time(flat['time_s'])})"
+            )
     lines.append(
-        "bytes sent / IB bytes: per rank per backward (IB: to other nodes, averaged over the group); alpha / bandwidth: "
-        "the latency and byte terms of time (calls in series); overlapped: a hierarchical mode's node and rail stages "
+        "bytes sent / IB bytes: per rank per backward (IB: to other nodes, averaged over the group); "
+        "alpha / bandwidth: the latency and byte terms of time (calls in series); overlapped: a hierarchical mode's node and rail stages "
         "of different buckets at once (lower bound); vs RS: time / reduce_scatter's. fp8 moves int8's bytes. "
         "Model: [Note: all_to_all cost] in flatgrad/plan/cost.py"
     )
