@@ -90,7 +90,9 @@ def _eval_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.T
         return sum(float(model(x, y)) for x, y in batches) / len(batches)
 
 
-def _rank(rank: int, world_size: int, steps: int, batch: int, modes: list[str], eval_every: int, out_path: str) -> dict:
+def _rank(
+    rank: int, world_size: int, steps: int, batch: int, modes: list[str], eval_every: int, out_path: str, init_seed: int
+) -> dict:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu",
@@ -111,14 +113,14 @@ def _rank(rank: int, world_size: int, steps: int, batch: int, modes: list[str], 
     out = {}
     for name in modes:
         seed, perturb = INIT.get(name, (0, 0.0))
-        torch.manual_seed(seed)
+        torch.manual_seed(init_seed + seed)
         model = GPT(vocab=VOCAB, n_positions=SEQ, d=D, n_layer=LAYERS, n_head=HEADS)
         with torch.no_grad():  # GPT-2's initialisation (the tied N(0, 1) embedding would start at loss ~100)
             for p in model.parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, 0.02)
             if perturb:
-                gen = torch.Generator().manual_seed(12345)  # the same perturbation on every rank
+                gen = torch.Generator().manual_seed(12345 + init_seed)  # the same perturbation on every rank
                 for p in model.parameters():
                     p.mul_(1 + perturb * torch.randn(p.shape, generator=gen))
         config = {
@@ -176,6 +178,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--init-seed", type=int, default=0,
+                        help="seed of the initial weights (every mode's; fp32_seed1 uses it + 1); the data stay fixed")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     parser.add_argument("--out", default="reduction_modes", help="path prefix of the .json and .png")
     args = parser.parse_args()
@@ -184,7 +188,8 @@ def main() -> None:
 
     modes = args.modes.split(",")
     started = time.time()
-    result = run_ranks(_rank, args.ranks, args.steps, args.batch, modes, args.eval_every, args.out, timeout=24 * 3600)[0]
+    run_args = (args.steps, args.batch, modes, args.eval_every, args.out, args.init_seed)
+    result = run_ranks(_rank, args.ranks, *run_args, timeout=24 * 3600)[0]
     summary = {name: _measures(r) for name, r in result.items()}
     base = summary.get("fp32")
     for name, row in summary.items():
@@ -192,12 +197,13 @@ def main() -> None:
         row.update(seconds=round(r["seconds"], 1), wire_bytes_per_rank=r["wire_bytes"])
         if base is not None:
             for measure in ("final_loss", "last50_loss", "eval_loss"):
-                row[f"rel_diff_vs_fp32_{measure.removesuffix('_loss')}"] = (row[measure] - base[measure]) / base[measure]
+                gap = (row[measure] - base[measure]) / base[measure]
+                row[f"rel_diff_vs_fp32_{measure.removesuffix('_loss')}"] = gap
             if r["wire_bytes"] and result.get("bf16_reduce_scatter", {}).get("wire_bytes"):
                 row["bytes_vs_bf16"] = r["wire_bytes"] / result["bf16_reduce_scatter"]["wire_bytes"]
         print(name, json.dumps(row))
     record = {
-        "steps": args.steps, "ranks": args.ranks, "batch": args.batch, "seq": SEQ,
+        "steps": args.steps, "ranks": args.ranks, "batch": args.batch, "seq": SEQ, "init_seed": args.init_seed,
         "params": next(iter(result.values()))["params"], "wall_seconds": round(time.time() - started, 1),
         "summary": summary, "losses": {k: v["losses"] for k, v in result.items()},
         "evals": {k: v["evals"] for k, v in result.items()},
