@@ -182,7 +182,13 @@ def main() -> None:
                         help="seed of the initial weights (every mode's; fp32_seed1 uses it + 1); the data stay fixed")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     parser.add_argument("--out", default="reduction_modes", help="path prefix of the .json and .png")
+    parser.add_argument("--combine", nargs="+", metavar="JSON",
+                        help="run nothing: print each mode's gap to fp32 in runs from several --init-seed values "
+                             "(their .json), per run and as mean and spread, against the noise floor")
     args = parser.parse_args()
+    if args.combine:
+        _combine(args.combine)
+        return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from flatgrad.demo.launch import run_ranks
 
@@ -239,6 +245,37 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=100)
     print("wrote", os.path.abspath(args.out + ".png"))
+
+
+def _combine(paths: list[str]) -> None:
+    """Per mode and measure: the relative gap to the same run's fp32, for each run, then mean and sample sd.
+
+    The noise floor is the gap of ``fp32_perturbed`` (and ``fp32_seed1``): a mode whose gaps lie within the
+    spread of the floor's is indistinguishable from fp32 communication by this bench.
+    """
+    import statistics
+
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records.append(json.load(f))
+    measures = ("final", "last50", "eval")
+    gaps: dict[str, dict[str, list[float]]] = {}
+    for record in records:
+        for name, row in record["summary"].items():
+            for m in measures:
+                gaps.setdefault(name, {}).setdefault(m, []).append(100 * row[f"rel_diff_vs_fp32_{m}"])
+    seeds = [r.get("init_seed", 0) for r in records]
+    print(f"gap to fp32 (%), runs with init seeds {seeds}: per run; mean +- sd; mean |gap|")
+    for name, by_measure in gaps.items():
+        cells = []
+        for m in measures:
+            values = by_measure[m]
+            sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+            mean_abs = statistics.fmean(abs(v) for v in values)
+            cells.append(f"{m} [{', '.join(f'{v:+.2f}' for v in values)}] {statistics.fmean(values):+.2f} +- {sd:.2f}"
+                         f"; |{mean_abs:.2f}|")  # fmt: skip
+        print(f"{name:20s} " + " | ".join(cells))
 
 
 def _measures(r: dict) -> dict:
