@@ -276,6 +276,18 @@ def _combine(paths: list[str]) -> None:
             cells.append(f"{m} [{', '.join(f'{v:+.2f}' for v in values)}] {statistics.fmean(values):+.2f} +- {sd:.2f}"
                          f"; |{mean_abs:.2f}|")  # fmt: skip
         print(f"{name:20s} " + " | ".join(cells))
+    print("first step whose training loss differs from the same run's fp32 by more than 0.1%, per run:")
+    for name in gaps:
+        firsts = []
+        for record in records:
+            losses, base = record["losses"].get(name), record["losses"]["fp32"]
+            firsts.append(None if losses is None else _first_departure(losses, base, 1e-3))
+        print(f"{name:20s} {firsts}")
+
+
+def _first_departure(losses: list[float], base: list[float], rel: float) -> int | None:
+    """The first step whose loss differs from ``base``'s by more than ``rel`` of it (None: never)."""
+    return next((i for i, (a, b) in enumerate(zip(losses, base)) if abs(a - b) > rel * abs(b)), None)
 
 
 def _measures(r: dict) -> dict:
