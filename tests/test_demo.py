@@ -78,6 +78,30 @@ def test_flatgrad_zero2_issues_one_reduce_scatter_per_multi_rank_sub_group(small
 
 
 @pytest.mark.timeout(240)
+def test_reduction_mode_rows_move_each_bucket_with_one_all_to_all(small_run):
+    _, text, doc, _ = small_run
+    rows = {r["key"]: r for r in doc["rows"]}
+    flat = rows["flatgrad_zero2"]
+    assert "flatgrad ZeRO-2, exact" in text and "flatgrad ZeRO-2, int8 + error feedback" in text
+    for key in ("flatgrad_zero2_exact", "flatgrad_zero2_int8"):
+        row = rows[key]
+        # The same buckets, each one all_to_all on the whole group instead of one reduce_scatter; the MoE's own
+        # all_to_alls (dispatch and combine in backward) are not counted as reductions.
+        assert {c["op"] for c in row["reduction_calls_rank0"]} == {"grad_all_to_all"}
+        assert row["reductions"] == row["reductions_multi_rank"] == flat["reductions"] > 0  # one-rank groups: copies
+        assert all(c["group"] == list(range(WORLD_SIZE)) for c in row["reduction_calls_rank0"])
+        assert row["calls_by_phase_rank0"]["backward"].get("all_to_all", 0) > 0  # the MoE layer's, recorded apart
+    # exact (fp32 demo: fp32 wire) sends what the reduce_scatter sends; int8 one byte plus a scale per 256.
+    assert rows["flatgrad_zero2_exact"]["sent_mb_per_rank"] == pytest.approx(flat["sent_mb_per_rank"])
+    int8 = rows["flatgrad_zero2_int8"]
+    assert [c["dtype"] for c in int8["reduction_calls_rank0"]] == ["uint8"] * int8["reductions"]
+    assert 0.25 <= int8["sent_mb_per_rank"] / flat["sent_mb_per_rank"] < 0.26
+    # exact sums in fp32 in rank order: as close to stock as flatgrad's reduce_scatter; int8 is quantized.
+    assert rows["flatgrad_zero2_exact"]["max_loss_diff"] <= 1e-5
+    assert int8["max_loss_diff"] <= 1e-3
+
+
+@pytest.mark.timeout(240)
 def test_losses_match_stock(small_run):
     _, text, doc, _ = small_run
     rows = {r["key"]: r for r in doc["rows"]}

@@ -463,3 +463,131 @@ def test_reduction_modes_cost_and_bytes() -> None:
         assert DEFAULT.time(q) < DEFAULT.time(rs)
     with pytest.raises(ValueError, match="reduction"):
         reduction_call("int4", numel, torch.bfloat16, group)
+
+
+# --------------------------------------------------------------------------- reduction modes at scale
+
+
+def test_all_to_all_cost_is_per_peer_sends_hand_computed() -> None:
+    """[Note: all_to_all cost] on hand-computed cases: one node, two nodes, a rail; rings for comparison."""
+    from flatgrad.plan.cost import CostModel
+    from flatgrad.plan.schedule import Collective
+
+    cost = CostModel()
+    nbytes = 32e6
+    # One node: the ring's figures (7 NVLink hops; (p - 1) / p of the bytes at the NVLink busbw).
+    a2a = Collective("all_to_all", 16_000_000, torch.bfloat16, range(8))
+    assert cost.latency(a2a) == pytest.approx((3.6 + 7 * 0.47) * 1e-6)
+    assert cost.bandwidth_time(a2a) == pytest.approx(nbytes * 7 / 8 / 450e9)
+    assert cost.inter_node_bytes(a2a) == 0
+    # Two nodes of 8: 7 peers on NVLink, 8 over IB through the rank's own 50 GB/s NIC; the IB half dominates.
+    a2a = Collective("all_to_all", 16_000_000, torch.bfloat16, range(16))
+    assert cost.latency(a2a) == pytest.approx((3.6 + 7 * 0.47 + 8 * 2.7) * 1e-6)
+    assert cost.inter_node_bytes(a2a) == pytest.approx(nbytes * 8 / 16)
+    assert cost.bandwidth_time(a2a) == pytest.approx(nbytes * 8 / 16 / 50e9)
+    assert cost.time(a2a) == pytest.approx(cost.latency(a2a) + cost.bandwidth_time(a2a))
+    # The ring over the same ranks: 14 NVLink steps and 1 IB step, 15/16 of the bytes at 400 GB/s; 1 hop in 8 on IB.
+    rs = Collective("reduce_scatter", 16_000_000, torch.bfloat16, range(16))
+    assert cost.latency(rs) == pytest.approx((3.6 + 14 * 0.47 + 2.7) * 1e-6)
+    assert cost.bandwidth_time(rs) == pytest.approx(nbytes * 15 / 16 / 400e9)
+    assert cost.inter_node_bytes(rs) == pytest.approx(nbytes * 15 / 16 / 8)
+    # A rail (one rank per node, 128 nodes): a ring gets one NIC, and every all_to_all peer is on IB.
+    rail = range(3, 1024, 8)
+    rs = Collective("reduce_scatter", 1_280_000, torch.bfloat16, rail)
+    assert cost.local(rail) == 1
+    assert cost.latency(rs) == pytest.approx((3.6 + 127 * 2.7) * 1e-6)
+    assert cost.bandwidth_time(rs) == pytest.approx(2_560_000 * 127 / 128 / 50e9)
+    a2a = Collective("all_to_all", 1_280_000, torch.bfloat16, rail)
+    assert cost.latency(a2a) == pytest.approx(cost.latency(rs))
+    assert cost.bandwidth_time(a2a) == pytest.approx(cost.bandwidth_time(rs))
+    # The NIC figure is a knob: twice the NIC, half the IB-bound all_to_all time.
+    fast = CostModel(ib_nic_gbps=100.0)
+    assert fast.bandwidth_time(Collective("all_to_all", 16_000_000, torch.bfloat16, range(16))) == pytest.approx(
+        nbytes * 8 / 16 / 100e9
+    )
+    with pytest.raises(ValueError, match="ib_nic_gbps must be positive"):
+        CostModel(ib_nic_gbps=0)
+
+
+def test_hierarchical_reduction_calls_hand_computed() -> None:
+    from flatgrad.plan.cost import MODES, reduction_calls
+
+    numel, group = 32 * 4096, range(32)  # 4 nodes of 8; rank 13 is local rank 5 of node 1
+    calls = {m: reduction_calls(m, numel, torch.bfloat16, group, rank=13) for m in MODES}
+    node, rail = range(8, 16), range(5, 32, 8)
+    assert [(c.op, c.numel, c.dtype, c.group) for c in calls["2d_reduce_scatter"]] == [
+        ("reduce_scatter", numel, torch.bfloat16, node), ("reduce_scatter", numel // 8, torch.bfloat16, rail)]  # fmt: skip
+    assert [(c.op, c.numel, c.dtype, c.group) for c in calls["hier_exact"]] == [
+        ("all_to_all", numel, torch.bfloat16, node), ("all_to_all", numel // 8, torch.float32, rail)]  # fmt: skip
+    # int8 wire: per segment round16(elements) + round16(4 bytes x blocks of 256).
+    node_wire = 8 * (16384 + 4 * 64)  # 16384 elements per node member
+    rail_wire = 4 * (4096 + 4 * 16)  # the rank's 16384-element node partial, over 4 nodes
+    assert [(c.op, c.numel, c.dtype, c.group) for c in calls["hier_int8"]] == [
+        ("reduce_scatter", numel, torch.bfloat16, node), ("all_to_all", rail_wire, torch.uint8, rail)]  # fmt: skip
+    assert [(c.op, c.numel, c.group) for c in calls["qgz_int8"]] == [
+        ("all_to_all", node_wire, node), ("all_to_all", rail_wire, rail)]  # fmt: skip
+    assert [(c.op, c.numel, c.group) for c in calls["int8"]] == [("all_to_all", 32 * (4096 + 64), group)]
+    # One node: only the node stage is left.
+    assert [c.op for c in reduction_calls("hier_int8", 8 * 256, torch.bfloat16, range(8), rank=3)] == ["reduce_scatter"]
+    with pytest.raises(ValueError, match="whole nodes"):
+        reduction_calls("qgz_int8", 12 * 256, torch.bfloat16, range(12))
+    with pytest.raises(ValueError, match="whole nodes"):
+        reduction_calls("hier_exact", 32 * 256, torch.bfloat16, range(1, 64, 2), rank=1)
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        reduction_calls("2d_reduce_scatter", 32 * 256 + 1, torch.bfloat16, group)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        reduction_calls("int4", 32 * 256, torch.bfloat16, group)
+
+
+def test_mode_schedules_keep_the_buckets_and_price_them() -> None:
+    from flatgrad.plan.cost import DEFAULT, MODES
+    from flatgrad.plan.report import mode_rows
+
+    spec = models.load("gpt", n_layer=2)
+    for world_size in (8, 16):
+        base = flatgrad_zero2(spec, world_size, bucket_numel=20_000)
+        by_mode = {m: flatgrad_zero2(spec, world_size, bucket_numel=20_000, reduction=m) for m in MODES}
+        assert by_mode["reduce_scatter"] == base
+        shape = lambda s: [(c.numel, c.dtype, c.group) for c in s.calls]  # noqa: E731
+        assert shape(by_mode["exact"]) == shape(base)
+        assert {c.op for c in by_mode["exact"].calls} == {"all_to_all"}
+        assert len(by_mode["qgz_int8"].calls) == (2 if world_size > 8 else 1) * len(base.calls)
+        rows = {r["mode"]: r for r in mode_rows([(world_size, list(by_mode.values()))], DEFAULT)}
+        assert rows["reduce_scatter"]["vs_reduce_scatter"] == 1.0
+        for r in rows.values():
+            assert r["time_s"] == pytest.approx(r["latency_s"] + r["bandwidth_s"])
+            assert r["overlapped_s"] <= r["time_s"] * (1 + 1e-12)
+        if world_size == 8:  # one node: exact costs what the ring costs, int8 about half the bytes
+            assert rows["exact"]["time_s"] == pytest.approx(rows["reduce_scatter"]["time_s"])
+            assert rows["int8"]["bytes_sent"] < 0.53 * rows["reduce_scatter"]["bytes_sent"]
+        else:  # two nodes: the flat all_to_all pushes half its bytes through one NIC
+            assert rows["exact"]["ib_bytes_sent"] == pytest.approx(rows["exact"]["bytes_sent"] * 8 / 15)
+            # Bandwidth: (8/16 of the bytes at 50 GB/s) / (15/16 at 400 GB/s) = 64/15, bucket for bucket.
+            assert rows["exact"]["bandwidth_s"] / rows["reduce_scatter"]["bandwidth_s"] == pytest.approx(64 / 15)
+            assert rows["exact"]["vs_reduce_scatter"] > 1
+    # MoE expert groups are strided: the hierarchical modes cannot split them into nodes.
+    moe = models.load("seed-moe", hidden=24, num_experts=4, ep_size=2)
+    assert "whole nodes" in flatgrad_zero2(moe, 16, bucket_numel=1000, reduction="hier_int8").unavailable
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        flatgrad_zero2(spec, 8, reduction="int4")
+
+
+def test_plan_command_modes_table_json_and_png(tmp_path, capsys) -> None:
+    from flatgrad import cli
+
+    out, png = tmp_path / "modes.json", tmp_path / "modes.png"
+    argv = ["plan", "gpt", "--model-arg", "n_layer=2", "-w", "8", "16", "--bucket", "20000", "--modes",
+            "--json", str(out), "--plot", str(png)]  # fmt: skip
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "world size 8" in text and "world size 16" in text and "qgz_int8" in text and "fastest:" in text
+    rows = json.loads(out.read_text())["modes"]
+    assert {r["mode"] for r in rows} == set(__import__("flatgrad.plan.cost", fromlist=["MODES"]).MODES)
+    assert [r["world_size"] for r in rows].count(16) == 8
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    argv = ["plan", "gpt", "--model-arg", "n_layer=2", "-w", "16", "--bucket", "20000", "--modes", "exact"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "\nreduce_scatter " in text and "\nexact " in text and "\nint8 " not in text and "qgz_int8" not in text
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "gpt", "--modes", "int4"])

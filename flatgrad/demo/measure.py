@@ -15,7 +15,11 @@ global ranks of its group, and a reduce's destination. A coalesced group
 (``torch.distributed._coalescing_manager``) is one launch: recorded once, with
 the op and group of the calls in it and the sum of their elements. A call on a one-rank
 group is a call (stock ZeRO-2 issues those for MoE experts when every expert
-group has one rank); it sends no bytes.
+group has one rank); it sends no bytes. flatgrad's reduction modes move a
+bucket with ``flatgrad.comm.all_to_all``; the ``all_to_all_single`` it issues
+(none on a one-rank group, where it copies) is recorded as
+``grad_all_to_all``, a gradient reduction, unlike the all_to_alls of an MoE
+layer's dispatch and combine.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ from ..plan.schedule import Collective
 __all__ = ["Call", "CollectiveRecorder", "REDUCTION_OPS", "sent_bytes"]
 
 # Gradient reductions, the calls the demo compares; everything else is recorded for the JSON only.
-REDUCTION_OPS = ("reduce", "all_reduce", "reduce_scatter")
+# ``grad_all_to_all`` is flatgrad's all_to_all of a reduction mode (``flatgrad.comm.all_to_all``), told
+# apart from other all_to_alls (an MoE layer's dispatch runs one in backward too).
+REDUCTION_OPS = ("reduce", "all_reduce", "reduce_scatter", "grad_all_to_all")
+
+# Entry points of flatgrad's own comm layer that relabel the collective they issue (none on a one-rank group).
+_FLATGRAD_OPS = {"all_to_all": "grad_all_to_all"}
 
 # Entry point -> the op it issues. ``deepspeed.comm`` and ``torch.distributed`` share most names.
 _OPS = {
@@ -99,6 +108,7 @@ class CollectiveRecorder:
     _pending: list | None = None
     _groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     _batch: list[Call] | None = None  # the calls of an open coalesced group
+    _label: str | None = None
 
     def install(self) -> "CollectiveRecorder":
         """Wrap the collective entry points of ``deepspeed.comm`` (if importable) and ``torch.distributed``."""
@@ -110,13 +120,19 @@ class CollectiveRecorder:
         except ImportError:
             pass
         for module in modules:
-            for name in _OPS:
+            for name, op in _OPS.items():
                 fn = getattr(module, name, None)
                 if callable(fn):
                     self._saved.append((module, name, fn))
-                    setattr(module, name, self._wrap(name, fn))
+                    setattr(module, name, self._wrap(op, fn))
         self._saved.append((dist, "_coalescing_manager", dist._coalescing_manager))
         dist._coalescing_manager = self._wrap_coalescing(dist._coalescing_manager)
+        from .. import comm  # the reducer calls comm.all_to_all through the module: wrapping the attribute is seen
+
+        for name, op in _FLATGRAD_OPS.items():
+            fn = getattr(comm, name)
+            self._saved.append((comm, name, fn))
+            setattr(comm, name, self._relabel(op, fn))
         return self
 
     def _wrap_coalescing(self, manager: Callable) -> Callable:
@@ -158,15 +174,14 @@ class CollectiveRecorder:
             ranks = self._groups[id(group)] = tuple(dist.get_process_group_ranks(group))
         return ranks
 
-    def _wrap(self, name: str, fn: Callable) -> Callable:
-        op = _OPS[name]
+    def _wrap(self, op: str, fn: Callable) -> Callable:
         signature = _signature_with_group(fn)
 
         @functools.wraps(fn)
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:
                 numel, dtype = _buffer(list(args) + list(kwargs.values()))
-                self._pending = [op, numel, dtype, None, None]
+                self._pending = [self._label or op, numel, dtype, None, None]
             if self._pending is not None and signature is not None:
                 self._resolve(signature, args, kwargs)
             self._depth += 1
@@ -178,6 +193,19 @@ class CollectiveRecorder:
                     self._finish()
 
         return recorded
+
+    def _relabel(self, op: str, fn: Callable) -> Callable:
+        """``fn`` records nothing itself; the collective it issues, if any, is recorded as ``op``."""
+
+        @functools.wraps(fn)
+        def relabelled(*args: Any, **kwargs: Any) -> Any:
+            saved, self._label = self._label, op
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._label = saved
+
+        return relabelled
 
     def _resolve(self, signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
         """Fill the pending call's group ranks and destination from a call with a real signature."""
@@ -225,13 +253,16 @@ def sent_bytes(call: Call, rank: int) -> float:
     Ring algorithms: ``2 (p - 1) / p`` of the buffer for ``all_reduce``,
     ``(p - 1) / p`` for ``reduce_scatter``, the whole buffer for a ``reduce``
     rooted at another rank, nothing for one rooted here or on a one-rank group.
+    ``grad_all_to_all``: the ``p - 1`` chunks that go to other ranks, ``(p - 1) / p``
+    of the buffer (the quantized wire's bytes for int8 / fp8).
     See [Note: cost model] in ``flatgrad/plan/cost.py``.
     """
     if call.op not in REDUCTION_OPS:
         raise ValueError(f"sent_bytes models gradient reductions {REDUCTION_OPS}, got {call.op!r}")
     if len(call.group) <= 1:
         return 0.0
-    collective = Collective(call.op, call.numel, getattr(torch, call.dtype), _as_range(call.group), call.dst)
+    op = "all_to_all" if call.op == "grad_all_to_all" else call.op
+    collective = Collective(op, call.numel, getattr(torch, call.dtype), _as_range(call.group), call.dst)
     return DEFAULT.sent_bytes(collective, rank)
 
 

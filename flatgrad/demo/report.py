@@ -2,7 +2,8 @@
 
 [Note: demo figures]
 * ``reductions``: gradient reductions (``reduce``, ``all_reduce``,
-  ``reduce_scatter``) issued during ``engine.backward``, per backward on one
+  ``reduce_scatter``, and ``grad_all_to_all``: the all_to_all of flatgrad's
+  reduction modes) issued during ``engine.backward``, per backward on one
   rank; ``reductions_multi_rank`` counts those on a group of more than one rank.
   Every rank and step must agree (they do: the calls are collective), else the
   summary raises.
@@ -122,9 +123,10 @@ def footnotes(summary: Mapping[str, Any], world_size: int) -> list[str]:
     """What the table's figures mean, and what was trained."""
     rows = summary["rows"]
     notes = [
-        "calls: gradient reductions (reduce / all_reduce / reduce_scatter) per backward, counted at deepspeed.comm "
-        "and torch.distributed; (n): those on groups of more than one rank.",
-        "MB/rank: bytes one rank sends for them (ring model of `flatgrad plan`), mean over ranks.",
+        "calls: gradient reductions (reduce / all_reduce / reduce_scatter, and the all_to_all of flatgrad's exact "
+        "and int8 modes) per backward, counted at deepspeed.comm and torch.distributed; (n): those on groups of more "
+        "than one rank.",
+        "MB/rank: bytes one rank sends for them (the model of `flatgrad plan`), mean over ranks.",
         "peak MB/rank: the most tensor memory a rank's setup held, built alone and trained 2 untimed steps "
         "(model, optimizer states, activations, gradient path); the most of any rank.",
         "times: slowest rank per step, median over the steps after the first; step = forward + backward + "

@@ -1,7 +1,9 @@
 """What ``flatgrad demo`` trains: the setups (stock or flatgrad, ZeRO-2 or ZeRO-3), their configs and models.
 
 Every setup trains the same model from the same seed on the same batches;
-only the gradient reduction differs. Models come from ``flatgrad.plan.models``,
+only the gradient reduction differs. The ``exact`` and ``int8`` rows are
+flatgrad ZeRO-2 with that reduction mode (all_to_all instead of
+reduce_scatter; ``int8`` with error feedback). Models come from ``flatgrad.plan.models``,
 the definitions ``flatgrad plan`` schedules:
 
 * ZeRO-2: ``seed-moe``, the seed thread's model (DESIGN.md "The seed model"):
@@ -35,6 +37,8 @@ class Setup:
         flatgrad: through ``flatgrad.deepspeed.initialize`` (else stock ``deepspeed.initialize``).
         multi_rank_allreduce: stock ZeRO-2's ``use_multi_rank_bucket_allreduce`` (None: not ZeRO-2 stock).
         reference: the key of the setup whose losses this one is compared with.
+        options: the ``"flatgrad"`` config section of a flatgrad setup, as ``(key, value)`` pairs
+            (the reduction mode; see [Note: reduction modes] in ``flatgrad/reducer.py``).
     """
 
     key: str
@@ -43,12 +47,16 @@ class Setup:
     flatgrad: bool
     multi_rank_allreduce: bool | None
     reference: str
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 SETUPS: tuple[Setup, ...] = (
     Setup("stock_zero2", "stock ZeRO-2", 2, False, True, "stock_zero2"),
     Setup("stock_zero2_reduce", "stock ZeRO-2, reduce mode", 2, False, False, "stock_zero2"),
     Setup("flatgrad_zero2", "flatgrad ZeRO-2", 2, True, None, "stock_zero2"),
+    Setup("flatgrad_zero2_exact", "flatgrad ZeRO-2, exact", 2, True, None, "stock_zero2", (("reduction", "exact"),)),
+    Setup("flatgrad_zero2_int8", "flatgrad ZeRO-2, int8 + error feedback", 2, True, None, "stock_zero2",
+          (("reduction", "int8"), ("error_feedback", True))),  # fmt: skip
     Setup("stock_zero3", "stock ZeRO-3", 3, False, None, "stock_zero3"),
     Setup("flatgrad_zero3", "flatgrad ZeRO-3", 3, True, None, "stock_zero3"),
 )
@@ -90,7 +98,7 @@ def ds_config(setup: Setup, *, world_size: int, micro_batch: int, bucket: int, d
     elif dtype != "fp32":
         raise ValueError(f"--dtype must be fp32 or bf16, got {dtype!r}")
     if setup.flatgrad:
-        cfg["flatgrad"] = {}
+        cfg["flatgrad"] = dict(setup.options)
     return cfg
 
 

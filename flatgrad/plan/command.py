@@ -7,6 +7,8 @@ rank, padding and a modelled time (text; ``--json`` and ``--plot`` as well).
     flatgrad plan gpt2-xl --world-size 128 1024
     flatgrad plan seed-moe --world-size 8 --bucket 1000000 --stage 2
     flatgrad plan mypackage.models:build --model-arg layers=4 --json plan.json --plot plan.png
+    flatgrad plan llama-7b -w 8 128 1024 --modes            # flatgrad ZeRO-2 under every reduction mode
+    flatgrad plan llama-7b -w 8 16 64 128 1024 --modes exact int8 --plot modes.png
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import sys
 from ..cli import positive_int as _positive_int
 from ..kernels import DTYPE_NAMES
 from . import models, report, schedules
-from .cost import CostModel
+from .cost import MODES, CostModel
+from .flatgrad_schedule import flatgrad_zero2
 from .memory import gradient_path_memory
 from .schedule import element_size
 
@@ -57,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     link.add_argument("--nvlink-hop-us", type=float, default=defaults.nvlink_hop_us, help="latency per ring step inside a node")
     link.add_argument("--ib-hop-us", type=float, default=defaults.ib_hop_us, help="latency per ring step between nodes")
     link.add_argument("--gpus-per-node", type=_positive_int, default=defaults.gpus_per_node)
+    link.add_argument("--ib-nic", type=float, default=defaults.ib_nic_gbps, metavar="GB/s",
+                      help="one GPU's NIC line rate: an all_to_all's traffic to other nodes goes through it")
+    parser.add_argument("--modes", nargs="*", choices=MODES, metavar="MODE",
+                        help="instead of the schedule table: flatgrad ZeRO-2 under each reduction mode (default: all "
+                             f"of {', '.join(MODES)}), its bytes, alpha and bandwidth terms, and who wins")
+    parser.add_argument("--block", type=_positive_int, default=256, help="int8/fp8 elements per scale (default 256)")
     parser.add_argument("--json", metavar="FILE", help="write the full report, every call included, as JSON ('-' for stdout)")
     parser.add_argument("--plot", metavar="FILE.png", help="write a chart: calls, modelled time, call sizes")
 
@@ -67,8 +76,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         cost = CostModel(
             nvlink_busbw_gbps=args.nvlink_busbw, ib_busbw_gbps=args.ib_busbw, alpha_us=args.alpha_us,
             nvlink_hop_us=args.nvlink_hop_us, ib_hop_us=args.ib_hop_us, gpus_per_node=args.gpus_per_node,
+            ib_nic_gbps=args.ib_nic,
         )  # fmt: skip
         kwargs = models.parse_model_args(args.model_arg)
+        if args.modes is not None:
+            return _run_modes(args, cost, kwargs)
         stages = (2, 3) if args.stage == "all" else (int(args.stage),)
         spec = models.load(args.model, order=args.order, zero3=3 in stages, **kwargs)
         modes = {"true": (True,), "false": (False,), "both": (False, True)}[args.use_multi_rank_bucket_allreduce]
@@ -109,5 +121,47 @@ def run_from_args(args: argparse.Namespace) -> int:
             print(f"wrote {args.json}")
     if args.plot:
         report.plot(args.plot, spec, runs, cost)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def _run_modes(args: argparse.Namespace, cost: CostModel, kwargs: dict) -> int:
+    """``flatgrad plan --modes``: flatgrad ZeRO-2's backward under each reduction mode, per world size."""
+    spec = models.load(args.model, order=args.order, zero3=False, **kwargs)
+    dtype = _DTYPES[args.dtype]
+    comm_dtype = _DTYPES[args.comm_dtype] if args.comm_dtype else None
+    modes = args.modes or list(MODES)
+    if "reduce_scatter" not in modes:
+        modes = ["reduce_scatter", *modes]  # the baseline every ratio is against
+    runs = []
+    for world_size in args.world_size:
+        if not 0 <= args.rank < world_size:
+            raise ValueError(f"--rank {args.rank} is not a rank of world size {world_size}")
+        runs.append((world_size, [
+            flatgrad_zero2(spec, world_size, bucket_numel=args.bucket, dtype=dtype, comm_dtype=comm_dtype,
+                           rank=args.rank, reduction=mode, block=args.block, gpus_per_node=cost.gpus_per_node)
+            for mode in modes
+        ]))  # fmt: skip
+    config = {
+        "dtype": args.dtype, "comm_dtype": args.comm_dtype or args.dtype, "bucket": f"{args.bucket:,} elements",
+        "block": args.block, "rank": args.rank,
+    }  # fmt: skip
+    doc = {
+        "model": {"name": spec.name, "trainable_numel": spec.numel},
+        "config": config,
+        "cost_model": {k: getattr(cost, k) for k in cost.__dataclass_fields__},
+        "modes": report.mode_rows(runs, cost),
+    }
+    if args.json == "-":
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(report.modes_text(spec, runs, cost, config))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+            print(f"wrote {args.json}")
+    if args.plot:
+        report.modes_plot(args.plot, spec, runs, cost)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0

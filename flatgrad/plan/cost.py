@@ -18,7 +18,11 @@ A call over a group of ``p`` ranks on ``n`` nodes takes
   share for ``all_reduce`` and ``reduce_scatter``, the whole buffer for a
   ``reduce`` rooted elsewhere, nothing for one rooted at it.
 * ``busbw``: the NVLink bus bandwidth when the group fits in one node, else the
-  InfiniBand one (a ring is as fast as its slowest hop).
+  InfiniBand one (a ring is as fast as its slowest hop). A multi-node ring's IB
+  bus bandwidth comes from its channels crossing the node boundary on different
+  NICs, so it is capped at ``local`` NICs' line rate, ``local`` being the
+  group's ranks per node: a ring over one rank per node (a "rail") gets one NIC.
+* ``all_to_all`` is not a ring (see [Note: all_to_all cost]).
 * Latency: NCCL's own ring model (``src/graph/tuning.cc``: ``baseLat`` plus
   ``hwLat`` per ring step; ``steps`` = ``2 (p - 1)`` for ``all_reduce``,
   ``p - 1`` otherwise; ``inter_steps`` the same with nodes for ranks), with the
@@ -27,6 +31,42 @@ A call over a group of ``p`` ranks on ``n`` nodes takes
   large-scale ``all_reduce`` latency is pessimistic (NCCL would pick a tree).
 * The calls of one backward run one after another (DeepSpeed issues them on
   one stream); the model adds their times and ignores overlap with compute.
+
+[Note: all_to_all cost]
+NCCL has no all_to_all algorithm: it is a group of ``p - 1`` sends and
+receives per rank, one per peer, each its own chunk of ``nbytes / p``. So,
+with ``local`` ranks of the group per node and ``p - local`` peers elsewhere:
+
+* Bandwidth: the chunks for the ``local - 1`` peers of the rank's node cross
+  NVLink, the ``p - local`` others leave through the rank's own NIC (one NDR
+  NIC per GPU on a rail-optimised HGX node). The two run at once:
+  ``max(nbytes (local - 1) / p / nvlink_busbw, nbytes (p - local) / p / nic)``.
+  Inside one node this is the ring's bandwidth term. Across nodes a ring sends
+  only one hop in ``local`` over IB, spread over all the node's NICs, while an
+  all_to_all sends ``(p - local) / p`` of its bytes through one NIC: at 8 GPUs
+  per node and large ``p`` the same bytes take ``ib_busbw / nic`` = 8x longer.
+* Latency: one hop per peer, ``alpha + (local - 1) hop_intra + (p - local)
+  hop_inter``, as if the sends went one after another. NCCL spreads the peers
+  over a few channels, but each network send is its own operation on the proxy
+  thread; a ring has the same step count but only ``nodes - 1`` IB steps.
+
+Hierarchical modes (``reduction_calls``; modelled only, the reducer does not
+implement them) split a node-aligned group into an intra-node stage over the
+rank's node and an inter-node stage over its rail (the ranks with its local
+index, one per node, which owns ``1 / local`` of the bucket after the first
+stage), in the manner of ZeRO++'s qgZ:
+
+* ``2d_reduce_scatter``: reduce_scatter in the node, then over the rail.
+* ``hier_exact``: bf16 all_to_all in the node, fp32 sum, then an all_to_all of
+  the fp32 node partials over the rail (every sum in fp32, in a fixed order).
+* ``hier_int8``: bf16 reduce_scatter in the node (NVLink is fast; NCCL sums),
+  then an all_to_all of the int8 wire of the node partial over the rail.
+* ``qgz_int8``: ZeRO++ qgZ: int8 all_to_all in the node, dequantize and sum,
+  requantize, int8 all_to_all over the rail (two quantizations).
+
+The two stages are priced in series, like every call of a backward. The
+pack/quantize/unpack kernels are not priced (they are the same few memory
+passes in every mode).
 
 Default figures, all flags of ``flatgrad plan``:
 
@@ -43,6 +83,8 @@ IB busbw      400 GB/s   nccl-tests ``all_reduce_perf`` across H100 SXM nodes wi
 alpha         3.6 us     NCCL ``baseLat`` ring/LL (``src/graph/tuning.cc``)
 NVLink hop    0.47 us    NCCL ``hwLat`` NVLink ring/LL
 IB hop        2.7 us     NCCL ``hwLat`` NET ring/LL
+IB NIC        50 GB/s    one 400 Gb/s NDR NIC per GPU (HGX H100, rail-optimised),
+                         line rate; 8 of them are the IB busbw above
 GPUs / node   8          DGX/HGX H100
 ============  =========  ========================================================
 """
@@ -55,7 +97,13 @@ import torch
 
 from .schedule import Collective, Schedule
 
-__all__ = ["CostModel", "DEFAULT", "reduction_call"]
+__all__ = ["CostModel", "DEFAULT", "FLAT_MODES", "HIERARCHICAL_MODES", "MODES", "reduction_call", "reduction_calls"]
+
+FLAT_MODES = ("reduce_scatter", "exact", "int8", "fp8")
+"""The reducer's modes: one call per bucket over its group. See [Note: reduction modes] in ``flatgrad/reducer.py``."""
+HIERARCHICAL_MODES = ("2d_reduce_scatter", "hier_exact", "hier_int8", "qgz_int8")
+"""Two-stage modes, modelled only. See [Note: all_to_all cost]."""
+MODES = FLAT_MODES + HIERARCHICAL_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +117,8 @@ class CostModel:
         nvlink_hop_us: latency per ring step between GPUs of one node.
         ib_hop_us: latency per ring step between nodes.
         gpus_per_node: ranks per node (global rank // gpus_per_node is the node).
+        ib_nic_gbps: line rate of one GPU's own NIC, GB/s: what its all_to_all
+            traffic to other nodes goes through (see [Note: all_to_all cost]).
     """
 
     nvlink_busbw_gbps: float = 450.0
@@ -77,6 +127,7 @@ class CostModel:
     nvlink_hop_us: float = 0.47
     ib_hop_us: float = 2.7
     gpus_per_node: int = 8
+    ib_nic_gbps: float = 50.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -112,19 +163,68 @@ class CostModel:
         # Members closer than a node apart leave no node in between empty; farther apart, each has its own.
         return last // g - first // g + 1 if abs(group.step) <= g else len(group)
 
-    def time(self, call: Collective) -> float:
-        """Modelled seconds of one call."""
+    def local(self, group: range) -> int:
+        """The group's ranks per node (groups spread evenly over their nodes, as DeepSpeed's are)."""
+        return max(1, len(group) // max(1, self.nodes(group)))
+
+    def latency(self, call: Collective) -> float:
+        """The call's alpha terms, seconds: fixed latency plus one hop per ring step or all_to_all peer."""
         p = len(call.group)
-        nodes = self.nodes(call.group)
-        steps = 2 * (p - 1) if call.op == "all_reduce" else p - 1
-        inter = 2 * (nodes - 1) if call.op == "all_reduce" else nodes - 1
-        latency = self.alpha_us + (steps - inter) * self.nvlink_hop_us + inter * self.ib_hop_us
-        busbw = self.nvlink_busbw_gbps if nodes == 1 else self.ib_busbw_gbps
-        return latency * 1e-6 + self.bus_bytes(call) / (busbw * 1e9)
+        if call.op == "all_to_all":  # See [Note: all_to_all cost]
+            local = self.local(call.group)
+            intra, inter = local - 1, p - local
+        else:
+            nodes = self.nodes(call.group)
+            steps = 2 * (p - 1) if call.op == "all_reduce" else p - 1
+            inter = 2 * (nodes - 1) if call.op == "all_reduce" else nodes - 1
+            intra = steps - inter
+        return (self.alpha_us + intra * self.nvlink_hop_us + inter * self.ib_hop_us) * 1e-6
+
+    def bandwidth_time(self, call: Collective) -> float:
+        """The call's bandwidth terms, seconds (its bytes over the link that limits it)."""
+        p = len(call.group)
+        if p <= 1:
+            return 0.0
+        if call.op == "all_to_all":  # See [Note: all_to_all cost]
+            local = self.local(call.group)
+            nvlink = call.nbytes * (local - 1) / p / (self.nvlink_busbw_gbps * 1e9)
+            return max(nvlink, self.inter_node_bytes(call) / (self.ib_nic_gbps * 1e9))
+        if self.nodes(call.group) == 1:
+            busbw = self.nvlink_busbw_gbps
+        else:  # a ring's IB bandwidth is its node-boundary crossings', one NIC per rank of the group on a node
+            busbw = min(self.ib_busbw_gbps, self.local(call.group) * self.ib_nic_gbps)
+        return self.bus_bytes(call) / (busbw * 1e9)
+
+    def inter_node_bytes(self, call: Collective) -> float:
+        """Bytes a rank of the call sends to other nodes, averaged over the group's ranks.
+
+        all_to_all: its chunks for the peers on other nodes. Rings: the bus bytes of one
+        hop in ``local`` (the one that crosses to the next node). reduce: the bus bytes
+        when the chain spans nodes, shared by the ``local`` ranks of a node.
+        """
+        p = len(call.group)
+        if p <= 1 or self.nodes(call.group) == 1:
+            return 0.0
+        local = self.local(call.group)
+        if call.op == "all_to_all":
+            return call.nbytes * (p - local) / p
+        return self.bus_bytes(call) / local
+
+    def time(self, call: Collective) -> float:
+        """Modelled seconds of one call: ``latency`` plus ``bandwidth_time``."""
+        return self.latency(call) + self.bandwidth_time(call)
 
     def schedule_time(self, schedule: Schedule) -> float:
         """Modelled seconds of a schedule's calls, one after another."""
         return sum(self.time(c) for c in schedule.calls)
+
+    def schedule_latency(self, schedule: Schedule) -> float:
+        """The alpha terms of a schedule's calls, seconds."""
+        return sum(self.latency(c) for c in schedule.calls)
+
+    def schedule_inter_node_bytes(self, schedule: Schedule) -> float:
+        """Bytes a rank sends to other nodes in all of a schedule's calls (average over the group)."""
+        return sum(self.inter_node_bytes(c) for c in schedule.calls)
 
     def schedule_sent_bytes(self, schedule: Schedule) -> float:
         """Bytes the schedule's rank sends in all its calls."""
@@ -152,3 +252,54 @@ def reduction_call(reduction: str, numel: int, dtype: torch.dtype, group: range,
     p = len(group)
     shard = -(-numel // p)
     return Collective("all_to_all", p * wire.segment_bytes(shard, block), torch.uint8, group, payload=numel)
+
+
+def reduction_calls(
+    reduction: str,
+    numel: int,
+    dtype: torch.dtype,
+    group: range,
+    *,
+    rank: int | None = None,
+    block: int = 256,
+    gpus_per_node: int = 8,
+) -> tuple[Collective, ...]:
+    """The calls that move a ``numel``-element bucket of ``dtype`` under any mode of ``MODES``, as ``rank`` sees them.
+
+    Flat modes: ``(reduction_call(...),)``. Hierarchical modes (see [Note: all_to_all
+    cost]): an intra-node call over ``rank``'s node, then an inter-node call over its
+    rail (none when the group is one node). ``numel`` must be a multiple of the
+    group size (flatgrad's layouts pad to it).
+    """
+    from ..kernels import wire
+
+    if reduction in FLAT_MODES:
+        return (reduction_call(reduction, numel, dtype, group, block),)
+    if reduction not in HIERARCHICAL_MODES:
+        raise ValueError(f"reduction must be one of {', '.join(MODES)}; got {reduction!r}")
+    p, g = len(group), gpus_per_node
+    rank = group.start if rank is None else rank
+    if rank not in group:
+        raise ValueError(f"rank {rank} is not in the group {group}")
+    if numel % p:
+        raise ValueError(f"numel ({numel}) must be a multiple of the group size ({p})")
+    if group.step != 1 or (p > g and (group.start % g or p % g)):
+        raise ValueError(f"{reduction} needs a group of whole nodes of {g} consecutive ranks, got {group}")
+    node_start = group.start + (rank - group.start) // g * g
+    node = range(node_start, min(node_start + g, group.stop))
+    rail = range(group.start + (rank - group.start) % g, group.stop, g)
+    part = numel // len(node)  # what this rank owns after the node stage; the rail splits it n ways
+
+    def quantized(n: int, members: range) -> Collective:
+        nbytes = len(members) * wire.segment_bytes(n // len(members), block)
+        return Collective("all_to_all", nbytes, torch.uint8, members, payload=n)
+
+    if reduction == "2d_reduce_scatter":
+        calls = [Collective("reduce_scatter", numel, dtype, node), Collective("reduce_scatter", part, dtype, rail)]
+    elif reduction == "hier_exact":
+        calls = [Collective("all_to_all", numel, dtype, node), Collective("all_to_all", part, torch.float32, rail)]
+    elif reduction == "hier_int8":
+        calls = [Collective("reduce_scatter", numel, dtype, node), quantized(part, rail)]
+    else:  # qgz_int8
+        calls = [quantized(numel, node), quantized(part, rail)]
+    return tuple(c for c in calls if len(c.group) > 1)

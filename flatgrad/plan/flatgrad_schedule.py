@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import Layout
+from .cost import MODES, reduction_calls
 from .groups import param_groups, process_group
 from .models import ModelSpec
 from .schedule import Collective, Schedule
@@ -59,9 +60,21 @@ def flatgrad_zero2(
     dtype: torch.dtype | None = None,
     comm_dtype: torch.dtype | None = None,
     rank: int = 0,
+    reduction: str = "reduce_scatter",
+    block: int = 256,
+    gpus_per_node: int = 8,
 ) -> Schedule:
-    """flatgrad's ZeRO-2 collectives in one backward on ``rank``. See [Note: flatgrad ZeRO-2 schedule]."""
+    """flatgrad's ZeRO-2 collectives in one backward on ``rank``. See [Note: flatgrad ZeRO-2 schedule].
+
+    ``reduction`` is any mode of ``flatgrad.plan.cost.MODES``: each bucket's
+    reduce_scatter becomes that mode's calls (``cost.reduction_calls``, with
+    ``block`` and ``gpus_per_node``); the buckets and their order stay. A
+    hierarchical mode over a group that is not whole nodes gives an unavailable
+    schedule.
+    """
     check_args(spec, world_size, rank, bucket_numel)
+    if reduction not in MODES:
+        raise ValueError(f"reduction must be one of {', '.join(MODES)}; got {reduction!r}")
     comm_dtype = comm_dtype or dtype or spec.dtype
     groups = param_groups(spec)
     subs = sub_groups(spec, bucket_numel)
@@ -86,31 +99,44 @@ def flatgrad_zero2(
     def launch(s: int) -> None:
         if len(ranks[s]) > 1:
             layout = layouts[s]
-            calls.append(Collective("reduce_scatter", layout.numel, comm_dtype, ranks[s], payload=layout.numel_unpadded))
+            if reduction == "reduce_scatter":
+                payload = layout.numel_unpadded
+                calls.append(Collective("reduce_scatter", layout.numel, comm_dtype, ranks[s], payload=payload))
+            else:
+                calls.extend(reduction_calls(
+                    reduction, layout.numel, comm_dtype, ranks[s], rank=rank, block=block, gpus_per_node=gpus_per_node,
+                ))  # fmt: skip
+
+    name, key = "flatgrad ZeRO-2", "flatgrad_zero2"
+    if reduction != "reduce_scatter":
+        name, key = f"{name}, {reduction}", f"{key}_{reduction}"
 
     pending = [len(params) for _, params in subs]
-    launched = {name: 0 for name in reducers}
-    for i in spec.backward_order:
-        if i not in bucket_of:
-            continue
-        s = bucket_of[i]
-        pending[s] -= 1
-        name = groups[subs[s][0]].expert_group
-        order = reducers[name]
-        while launched[name] < len(order) and pending[order[launched[name]]] == 0:
-            launch(order[launched[name]])
-            launched[name] += 1
-    for name, order in reducers.items():
-        for s in order[launched[name] :]:
-            launch(s)
+    launched = {group_name: 0 for group_name in reducers}
+    try:
+        for i in spec.backward_order:
+            if i not in bucket_of:
+                continue
+            s = bucket_of[i]
+            pending[s] -= 1
+            group_name = groups[subs[s][0]].expert_group
+            order = reducers[group_name]
+            while launched[group_name] < len(order) and pending[order[launched[group_name]]] == 0:
+                launch(order[launched[group_name]])
+                launched[group_name] += 1
+        for group_name, order in reducers.items():
+            for s in order[launched[group_name] :]:
+                launch(s)
+    except ValueError as exc:  # a hierarchical mode over a group that is not whole nodes
+        return Schedule(name, key, world_size, rank, (), unavailable=str(exc))
 
     return Schedule(
-        name="flatgrad ZeRO-2",
-        key="flatgrad_zero2",
+        name=name,
+        key=key,
         world_size=world_size,
         rank=rank,
         calls=tuple(calls),
-        note="one reduce_scatter per bucket-sized sub-group; every rank owns 1/p of every bucket",
+        note=f"one {reduction} per bucket-sized sub-group; every rank owns 1/p of every bucket",
     )
 
 
