@@ -10,9 +10,9 @@
 // over blocks. A block's elements are gathered along the pack run table (binary
 // search for its first run, then the runs in order) into an fp32 array on the
 // stack (at most 4096 floats, 16 KiB: it stays in L1), cast and scaled as the
-// regular pack does (padding and missing tensors are zeros); the absmax pass and
-// the quantize pass then read that array, so every source element is read from
-// memory once.
+// regular pack does (padding and missing tensors are zeros); the absmax pass
+// (which adds the residual in place) and the quantize pass then read that
+// array, so every source element is read from memory once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,9 +36,18 @@ namespace {
 // Blocks of elements per unit of parallel work: about 32K elements.
 constexpr int64_t kGrain = 32768;
 
+// The element loops are compiled for AVX2 and for the x86-64 baseline, as in
+// csrc/flatgrad.cpp (no FMA is enabled, so both compute the same bits); the
+// baseline has no vector round-to-integer, so nearbyint is a call per element there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FLATGRAD_PQ_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FLATGRAD_PQ_CLONES
+#endif
+
 // x[i] = float(src[i]), times scale when `scaled` (the regular pack's arithmetic to fp32).
 template <typename in_t>
-void load_span(const void* src, float* x, int64_t n, bool scaled, float scale) {
+FLATGRAD_PQ_CLONES void load_span(const void* src, float* x, int64_t n, bool scaled, float scale) {
   const in_t* s = static_cast<const in_t*>(src);
   if (scaled) {
     for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(s[i]) * scale;
@@ -58,6 +67,10 @@ void load_any(const char* src, int64_t code, float* x, int64_t n, bool scaled, f
     default:
       TORCH_INTERNAL_ASSERT(false, "flatgrad::_pack_quantize_table: dtype code ", code);  // checked below
   }
+}
+
+FLATGRAD_PQ_CLONES void quantize_x(float* x, float* res, int64_t n, int64_t kind, uint8_t* values, float* scale_out) {
+  wire::quantize_values(x, res, n, kind, values, scale_out);
 }
 
 struct Source {
@@ -158,8 +171,8 @@ void pack_quantize_table_cpu(const at::Tensor& table, const at::Tensor& runs, in
         }
       }
       uint8_t* segment = out + w * seg;
-      wire::quantize_block(x, res == nullptr ? nullptr : res + p0, n, kind, segment + first,
-                           reinterpret_cast<float*>(segment + wire::round16(s)) + j);
+      quantize_x(x, res == nullptr ? nullptr : res + p0, n, kind, segment + first,
+                 reinterpret_cast<float*>(segment + wire::round16(s)) + j);
     }
   });
 }

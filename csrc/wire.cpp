@@ -43,7 +43,6 @@ namespace flatgrad {
 namespace {
 
 using wire::nblocks;
-using wire::quantize_block;
 using wire::round16;
 using wire::segment_bytes;
 
@@ -252,6 +251,14 @@ at::Tensor wire_sum_cpu(const at::Tensor& recv, int64_t world_size, const at::Te
     });
   });
   return result;
+}
+
+// wire::quantize_block, compiled for AVX2 too (a vector round-to-integer instead of a
+// nearbyint call per element; no FMA, so the same bits).
+template <typename src_t>
+FLATGRAD_WIRE_CLONES void quantize_block(const src_t* src, float* res, int64_t n, int64_t kind, uint8_t* values,
+                                         float* scale_out) {
+  wire::quantize_block(src, res, n, kind, values, scale_out);
 }
 
 void wire_quantize_cpu(const at::Tensor& packed, int64_t world_size, int64_t block, int64_t kind,

@@ -17,14 +17,12 @@
 namespace flatgrad {
 namespace wire {
 
-// Quantizes the n <= 4096 values float(src[k]) (+ res[k] when res != nullptr) into
-// values[0, n) and the block's fp32 scale into *scale_out; updates res.
-template <typename src_t>
-inline void quantize_block(const src_t* src, float* res, int64_t n, int64_t kind, uint8_t* values, float* scale_out) {
-  float x[4096];
+// Quantizes the n <= 4096 fp32 values x[0, n) (+ res[k] when res != nullptr, added into x
+// in place) into values[0, n) and the block's fp32 scale into *scale_out; updates res.
+inline void quantize_values(float* x, float* res, int64_t n, int64_t kind, uint8_t* values, float* scale_out) {
   float absmax = 0.0f;
   for (int64_t k = 0; k < n; ++k) {
-    float v = static_cast<float>(src[k]);
+    float v = x[k];
     if (res != nullptr) v = v + res[k];
     x[k] = v;
     const float a = std::fabs(v);
@@ -52,6 +50,14 @@ inline void quantize_block(const src_t* src, float* res, int64_t n, int64_t kind
     }
     if (res != nullptr) res[k] = x[k] - dq * scale;
   }
+}
+
+// quantize_values of the n <= 4096 values float(src[k]).
+template <typename src_t>
+inline void quantize_block(const src_t* src, float* res, int64_t n, int64_t kind, uint8_t* values, float* scale_out) {
+  float x[4096];
+  for (int64_t k = 0; k < n; ++k) x[k] = static_cast<float>(src[k]);
+  quantize_values(x, res, n, kind, values, scale_out);
 }
 
 }  // namespace wire
