@@ -483,9 +483,10 @@ class BucketReducer:
 
     def _allocate_pools(self, comm_buffers: int) -> dict[tuple, list[torch.Tensor]]:
         """Make the comm buffer pools (once) and give every bucket its views. See [Note: comm buffer pool]."""
-        members: dict[tuple[torch.device, torch.dtype], list[_Bucket]] = {}
+        members: dict[tuple[torch.device, torch.dtype | None], list[_Bucket]] = {}
         for b in self._buckets:
-            members.setdefault((b.device, b.comm_dtype), []).append(b)
+            # int8/fp8: the wire is bytes whatever the comm dtype, so their buckets share one pool per device.
+            members.setdefault((b.device, None if b.reduction in wire.KINDS else b.comm_dtype), []).append(b)
         pools = {}
         for (device, dtype), buckets in members.items():
             count = min(comm_buffers, len(buckets))

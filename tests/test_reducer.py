@@ -776,9 +776,11 @@ def _quantized_pool_rank(rank: int, world_size: int) -> list:
     from flatgrad.kernels import wire
 
     failures = []
-    buckets = [[nn.Parameter(torch.zeros(n)) for n in sizes] for sizes in ([300, 7], [1000], [64, 64, 5])]
+    dtypes = (torch.float32, torch.bfloat16, torch.float32)  # comm_dtype None: one per bucket, one wire pool for all
+    sizes = ([300, 7], [1000], [64, 64, 5])
+    buckets = [[nn.Parameter(torch.zeros(n, dtype=d)) for n in ns] for ns, d in zip(sizes, dtypes)]
     for reduction in ("int8", "fp8"):
-        reducer = BucketReducer(buckets, comm_dtype=torch.bfloat16, reduction=reduction, block=64, register_hooks=False)
+        reducer = BucketReducer(buckets, reduction=reduction, block=64, register_hooks=False)
         seg = max(world_size * wire.segment_bytes(lay.shard_numel, 64) for lay in reducer.layouts)
         if reducer.comm_buffer_bytes != 2 * 2 * seg:  # send and receive wires, 2 pool slots each
             failures.append((reduction, "comm_buffer_bytes", reducer.comm_buffer_bytes, 4 * seg))
