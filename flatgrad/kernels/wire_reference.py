@@ -4,7 +4,7 @@ The wire kernels serve the reduction modes that replace the reduce_scatter by
 one ``all_to_all`` (see DESIGN.md, "Reduction modes"): the packed buffer holds
 ``W`` chunks of ``S`` elements, chunk ``r`` for rank ``r``; after the
 all_to_all, source ``w`` of the receive buffer is what rank ``w`` sent to this
-rank. Three operations:
+rank. Four operations:
 
 * ``sum_sources``: ``exact`` mode's unpack; the sources are comm-dtype chunks.
 * ``quantize``: writes the wire format from a packed buffer (optionally adding
@@ -41,8 +41,8 @@ through the layout's pack run table, as the regular pack does.
 
 The reducer's int8/fp8 modes used to pack into a comm-dtype (e.g. bf16) buffer
 and quantize that: the values were rounded twice, to the comm dtype and then
-to the wire. The fused path quantizes the fp32 values, one rounding fewer and
-so at least as accurate, and on purpose not bitwise what the unfused
+to the wire. The fused path quantizes the fp32 values, one rounding fewer
+(more accurate, intended), and so on purpose not bitwise what the unfused
 bf16 pack + quantize gave; nor does it need the comm-dtype buffer.
 
 [Note: wire arithmetic contract]
