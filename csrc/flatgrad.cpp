@@ -154,13 +154,6 @@ void check_runs(const at::Tensor& runs, int64_t width, const char* op) {
   TORCH_CHECK(runs.is_contiguous(), op, ": runs must be contiguous");
 }
 
-// The run k with start[k] <= pos < start[k + 1] (start is sorted; an empty
-// run is never returned, as upper_bound skips past it).
-inline int64_t find_run(const std::vector<int64_t>& start, int64_t pos) {
-  const auto it = std::upper_bound(start.begin(), start.end() - 1, pos);
-  return static_cast<int64_t>(it - start.begin()) - 1;
-}
-
 // ---------------------------------------------------------------------------
 // Element loops
 

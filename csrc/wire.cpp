@@ -37,6 +37,7 @@
 #endif
 
 #include "flatgrad/wire.h"
+#include "flatgrad/wire_cpu.h"
 
 namespace flatgrad {
 namespace {
@@ -252,39 +253,12 @@ at::Tensor wire_sum_cpu(const at::Tensor& recv, int64_t world_size, const at::Te
   return result;
 }
 
+// wire::quantize_block, compiled for AVX2 too (a vector round-to-integer instead of a
+// nearbyint call per element; no FMA, so the same bits).
 template <typename src_t>
-void quantize_block(const src_t* src, float* res, int64_t n, int64_t kind, uint8_t* values, float* scale_out) {
-  float x[4096];
-  float absmax = 0.0f;
-  for (int64_t k = 0; k < n; ++k) {
-    float v = static_cast<float>(src[k]);
-    if (res != nullptr) v = v + res[k];
-    x[k] = v;
-    const float a = std::fabs(v);
-    absmax = (a > absmax || a != a) ? a : absmax;
-  }
-  const float scale = absmax / wire::qmax(kind);
-  std::memcpy(scale_out, &scale, sizeof(float));
-  if (scale == 0.0f) {
-    std::memset(values, 0, n);
-    if (res != nullptr) std::copy(x, x + n, res);  // x - 0 * 0
-    return;
-  }
-  for (int64_t k = 0; k < n; ++k) {
-    const float y = x[k] / scale;
-    float dq;
-    if (kind == wire::kInt8) {
-      const float r = std::nearbyint(y);  // round half to even (the default rounding mode)
-      const int8_t q = r != r ? int8_t(0) : static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-      values[k] = static_cast<uint8_t>(q);
-      dq = static_cast<float>(q);
-    } else {
-      const c10::Float8_e4m3fn q(std::min(448.0f, std::max(-448.0f, y)));
-      values[k] = q.x;
-      dq = static_cast<float>(q);
-    }
-    if (res != nullptr) res[k] = x[k] - dq * scale;
-  }
+FLATGRAD_WIRE_CLONES void quantize_block(const src_t* src, float* res, int64_t n, int64_t kind, uint8_t* values,
+                                         float* scale_out) {
+  wire::quantize_block(src, res, n, kind, values, scale_out);
 }
 
 void wire_quantize_cpu(const at::Tensor& packed, int64_t world_size, int64_t block, int64_t kind,

@@ -14,7 +14,8 @@ buffers (see [Note: comm buffer pool]). Per micro-step:
    [Note: launch order]), the bucket waits until its comm buffer's previous
    occupant has been unpacked, one fused ``pack`` fills the buffer (cast to the
    comm dtype, pre-scale, zero padding; a param without a gradient is passed
-   as None and packs as zeros, so no zeros tensor is ever made),
+   as None and packs as zeros, so no zeros tensor is ever made; int8/fp8: one
+   fused pack-quantize fills the send wire instead, see [Note: reduction modes]),
    ``param.grad`` is dropped, and one async ``reduce_scatter`` starts,
    in place: its output is this rank's own chunk of the buffer;
 3. one fused ``unpack`` casts that chunk to the shard dtype (fp32), post-scales
@@ -72,20 +73,26 @@ alive (a shard is dropped, never resized under a view).
   chunks and sums them in fp32 in rank order 0..W-1, post-scales (``1/W`` when
   averaging) and copies or adds into the shard in one pass. Deterministic, same
   bytes as a reduce_scatter.
-* ``"int8"`` / ``"fp8"``: after the pack, ``wire.quantize`` writes the quantized
-  wire (see [Note: wire format] in ``kernels/wire_reference.py``) into a send
-  buffer, one all_to_all moves it, and the unpack (``wire.dequantize_sum``)
-  dequantizes and sums in fp32. With ``error_feedback`` a persistent fp32
-  residual per bucket (``layout.numel`` elements) carries this rank's
-  quantization error into its next quantize.
+* ``"int8"`` / ``"fp8"``: one fused pack-quantize (``wire.PackQuantizePlan``, see
+  [Note: pack-quantize] in ``kernels/wire_reference.py``) reads the gradients
+  through the layout's pack run table and writes the quantized wire (see
+  [Note: wire format] there) straight into a send buffer; one all_to_all moves
+  it, and the unpack (``wire.dequantize_sum``) dequantizes and sums in fp32.
+  There is no comm-dtype buffer in these modes, so ``comm_dtype`` does not
+  round anything: the wire is quantized from fp32 ``grad * prescale`` (one
+  rounding fewer than the former bf16 pack then quantize, and one buffer of
+  ``layout.numel`` comm-dtype elements fewer per pool slot). With
+  ``error_feedback`` a persistent fp32 residual per bucket (``layout.numel``
+  elements) carries this rank's quantization error into its next quantize.
 
 With ``collect_stats`` both wire unpacks return the same stats as the regular
 unpack (sum of squares and non-finite count of the shard as written), so
 ``shard_stats()`` works in every mode.
 
-The receive (and wire) buffers come from pools beside the comm buffer pool,
-keyed by purpose, with the same count and the same bucket -> buffer assignment,
-so the hand-off rule of [Note: comm buffer pool] covers them too.
+The receive (and wire) buffers come from pools beside the comm buffer pool (or,
+int8/fp8, instead of it), keyed by purpose, with the same count and the same
+bucket -> buffer assignment, so the hand-off rule of [Note: comm buffer pool]
+covers them too.
 
 [Note: launch order]
 Collectives are matched across ranks by the order they are issued in, not by
@@ -286,7 +293,8 @@ class BucketReducer:
         rank: this rank in ``process_group``.
         world_size: size of ``process_group``.
         kernel_backends: the flatgrad kernel backend each bucket packs and unpacks with.
-        comm_buffer_bytes: bytes held by the comm buffer pool (all the time).
+        comm_buffer_bytes: bytes held by the comm buffer pools (all the time): comm buffers,
+            and the all_to_all modes' receive or wire buffers.
         shard_bytes: bytes of the shards of one accumulation window (held only during one).
         residual_bytes: bytes of the error-feedback residuals (held all the time; 0 without).
     """
@@ -442,7 +450,14 @@ class BucketReducer:
         # One fast path for pack and unpack: the kernels' plans, validated once (see [Note: plans] in
         # flatgrad/kernels/_plan.py). A missing gradient is passed as None and packs as zeros.
         name = getattr(b.kernels, "name", None)
-        b.pack_plan = PackPlan(b.layout, [None] * len(b.params), dtype=b.comm_dtype, device=b.device, backend=name)
+        b.reduction = self._reduction[0]
+        if b.reduction in wire.KINDS:  # the fused pack-quantize: see [Note: reduction modes]
+            b.pack_plan = wire.PackQuantizePlan(
+                b.layout, [None] * len(b.params), block=self._reduction[1], kind=b.reduction, device=b.device,
+                backend=name,
+            )  # fmt: skip
+        else:
+            b.pack_plan = PackPlan(b.layout, [None] * len(b.params), dtype=b.comm_dtype, device=b.device, backend=name)
         b.unpack_plan = None  # made with the first shard
         b.stats = None
         b.pack_scale = plan["pack_scale"]
@@ -455,8 +470,8 @@ class BucketReducer:
         if b.device.type == "cuda":
             b.pack_stream, b.unpack_stream = _side_streams(b.device)
             b.unpacked = torch.cuda.Event()
-        b.reduction = self._reduction[0]
         b.wire_kernels = None if b.reduction == "reduce_scatter" else wire.wire_kernels(b.kernels.name)
+        b.input = b.input_chunks = b.output = None
         b.recv = b.wire_send = b.wire_recv = None
         b.residual = None
         if self._reduction[2]:  # persistent, zero at the start: see [Note: reduction modes]
@@ -468,12 +483,27 @@ class BucketReducer:
 
     def _allocate_pools(self, comm_buffers: int) -> dict[tuple, list[torch.Tensor]]:
         """Make the comm buffer pools (once) and give every bucket its views. See [Note: comm buffer pool]."""
-        members: dict[tuple[torch.device, torch.dtype], list[_Bucket]] = {}
+        members: dict[tuple[torch.device, torch.dtype | None], list[_Bucket]] = {}
         for b in self._buckets:
-            members.setdefault((b.device, b.comm_dtype), []).append(b)
+            # int8/fp8: the wire is bytes whatever the comm dtype, so their buckets share one pool per device.
+            members.setdefault((b.device, None if b.reduction in wire.KINDS else b.comm_dtype), []).append(b)
         pools = {}
         for (device, dtype), buckets in members.items():
             count = min(comm_buffers, len(buckets))
+            for k, b in enumerate(buckets):
+                b.previous = buckets[k - count] if k >= count else None
+            if buckets[0].reduction in wire.KINDS:
+                # The fused pack-quantize writes the send wire from the gradients: no comm-dtype
+                # buffer (see [Note: reduction modes]).
+                block = self._reduction[1]
+                nbytes = max(self.world_size * wire.segment_bytes(b.layout.shard_numel, block) for b in buckets)
+                for purpose in ("wire_send", "wire_recv"):
+                    pool = pools[(purpose, device, dtype)] = [
+                        torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)
+                    ]
+                    for k, b in enumerate(buckets):
+                        setattr(b, purpose, pool[k % count].narrow(0, 0, b.pack_plan.wire_bytes))
+                continue
             size = max(b.layout.numel for b in buckets)
             pool = pools[(device, dtype)] = [torch.empty(size, dtype=dtype, device=device) for _ in range(count)]
             for k, b in enumerate(buckets):
@@ -482,21 +512,10 @@ class BucketReducer:
                 b.input_chunks = list(b.input.chunk(self.world_size))
                 # In place: this rank's chunk of the input. World size 1: the whole input.
                 b.output = b.input.narrow(0, self.rank * layout.shard_numel, layout.shard_numel)
-                b.previous = buckets[k - count] if k >= count else None
             if buckets[0].reduction == "exact":  # the all_to_all's receive side: see [Note: reduction modes]
                 recv = pools[("recv", device, dtype)] = [torch.empty(size, dtype=dtype, device=device) for _ in range(count)]
                 for k, b in enumerate(buckets):
                     b.recv = recv[k % count].narrow(0, 0, b.layout.numel)
-            elif buckets[0].reduction != "reduce_scatter":
-                block = self._reduction[1]
-                nbytes = max(self.world_size * wire.segment_bytes(b.layout.shard_numel, block) for b in buckets)
-                for purpose in ("wire_send", "wire_recv"):
-                    pool = pools[(purpose, device, dtype)] = [
-                        torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)
-                    ]
-                    for k, b in enumerate(buckets):
-                        size_b = self.world_size * wire.segment_bytes(b.layout.shard_numel, block)
-                        setattr(b, purpose, pool[k % count].narrow(0, 0, size_b))
         return pools
 
     # ------------------------------------------------------------------ hot path
@@ -552,7 +571,7 @@ class BucketReducer:
         if b.pack_stream is None:
             if b.previous is not None and b.previous.in_flight:
                 self._drain(block=True, through=b.previous)  # its comm buffer is this bucket's
-            b.pack_plan(grads, b.input, scale=b.pack_scale)
+            self._pack(b, grads)
             b.work = self._collective(b)
             b.in_flight = True
             self._inflight.append(b)
@@ -564,7 +583,7 @@ class BucketReducer:
             if b.previous is not None:
                 b.pack_stream.wait_event(b.previous.unpacked)  # see [Note: comm buffer pool]
             with torch.cuda.stream(b.pack_stream):
-                b.pack_plan(grads, b.input, scale=b.pack_scale)
+                self._pack(b, grads)
                 for g in grads:
                     if g is not None:
                         g.record_stream(b.pack_stream)
@@ -582,8 +601,15 @@ class BucketReducer:
         if self._inflight:
             self._drain(block=False)
 
+    def _pack(self, b: _Bucket, grads: list[torch.Tensor | None]) -> None:
+        """Fill what the bucket's collective sends: the comm buffer, or (int8/fp8) the send wire."""
+        if b.wire_send is not None:  # the fused pack-quantize: see [Note: reduction modes]
+            b.pack_plan(grads, b.wire_send, b.residual, scale=b.pack_scale)
+        else:
+            b.pack_plan(grads, b.input, scale=b.pack_scale)
+
     def _collective(self, b: _Bucket):
-        """Start the bucket's collective (an int8/fp8 bucket quantizes first). See [Note: reduction modes]."""
+        """Start the bucket's collective. See [Note: reduction modes]."""
         try:
             if b.reduction == "reduce_scatter":
                 return comm.reduce_scatter(
@@ -592,8 +618,6 @@ class BucketReducer:
                 )  # fmt: skip
             if b.reduction == "exact":
                 return comm.all_to_all(b.recv, b.input, group=self.process_group, async_op=True)
-            _, block, _ = self._reduction
-            b.wire_kernels.quantize(b.input, self.world_size, block, b.reduction, b.wire_send, b.residual)
             return comm.all_to_all(b.wire_recv, b.wire_send, group=self.process_group, async_op=True)
         except Exception as exc:
             raise RuntimeError(f"flatgrad: the {b.reduction} of bucket {b.id} failed on rank {self.rank}: {exc}") from exc

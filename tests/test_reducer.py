@@ -582,15 +582,15 @@ def _mode_expected(reducer, per_rank_grads, rank, world_size, reduction, block, 
 
     for b, layout in enumerate(reducer.layouts):
         s = layout.shard_numel
-        packed = []
-        for r in range(world_size):
-            buf = torch.empty(layout.numel, dtype=reducer._buckets[b].comm_dtype)
-            reference.pack(per_rank_grads[r][b], layout, buf, 1.0)
-            packed.append(buf)
         accumulate = shards[b] is not None
         if shards[b] is None:
             shards[b] = torch.empty(s)
         if reduction == "exact":
+            packed = []
+            for r in range(world_size):
+                buf = torch.empty(layout.numel, dtype=reducer._buckets[b].comm_dtype)
+                reference.pack(per_rank_grads[r][b], layout, buf, 1.0)
+                packed.append(buf)
             recv = torch.cat([p[rank * s : (rank + 1) * s] for p in packed])
             wire_reference.sum_sources(recv, world_size, shards[b], 1.0 / world_size, accumulate)
             continue
@@ -598,7 +598,8 @@ def _mode_expected(reducer, per_rank_grads, rank, world_size, reduction, block, 
         segments = []
         for r in range(world_size):
             w = torch.zeros(world_size * seg, dtype=torch.uint8)
-            wire_reference.quantize(packed[r], world_size, block, reduction, w, residuals[r][b])
+            # int8/fp8 quantize the fp32 pack: see [Note: pack-quantize]
+            wire_reference.pack_quantize(per_rank_grads[r][b], layout, 1.0, block, reduction, w, residuals[r][b])
             segments.append(w[rank * seg : (rank + 1) * seg])
         wire_reference.dequantize_sum(torch.cat(segments), world_size, block, reduction, shards[b], 1.0 / world_size, accumulate)
 
@@ -768,3 +769,30 @@ def test_shard_stats_of_every_mode_equal_the_norm_of_the_shard_written(world_siz
                 if count == 0:
                     assert sum_sq > 0
                     torch.testing.assert_close(got[0], sum_sq, rtol=1e-5, atol=0, msg=f"rank {rank} {reduction}")
+
+
+def _quantized_pool_rank(rank: int, world_size: int) -> list:
+    """int8/fp8 buckets hold wire buffers only: no comm-dtype buffer (the fused pack-quantize)."""
+    from flatgrad.kernels import wire
+
+    failures = []
+    dtypes = (torch.float32, torch.bfloat16, torch.float32)  # comm_dtype None: one per bucket, one wire pool for all
+    sizes = ([300, 7], [1000], [64, 64, 5])
+    buckets = [[nn.Parameter(torch.zeros(n, dtype=d)) for n in ns] for ns, d in zip(sizes, dtypes)]
+    for reduction in ("int8", "fp8"):
+        reducer = BucketReducer(buckets, reduction=reduction, block=64, register_hooks=False)
+        seg = max(world_size * wire.segment_bytes(lay.shard_numel, 64) for lay in reducer.layouts)
+        if reducer.comm_buffer_bytes != 2 * 2 * seg:  # send and receive wires, 2 pool slots each
+            failures.append((reduction, "comm_buffer_bytes", reducer.comm_buffer_bytes, 4 * seg))
+        if any(b.input is not None for b in reducer._buckets):
+            failures.append((reduction, "a comm-dtype buffer was allocated"))
+        if any(key[0] not in ("wire_send", "wire_recv") for key in reducer._pools):
+            failures.append((reduction, "pools", list(reducer._pools)))
+    return failures
+
+
+@pytest.mark.timeout(60)
+def test_quantized_modes_allocate_no_comm_dtype_buffer():
+    for failures in run_ranks(_quantized_pool_rank, 2, timeout=50):
+        assert failures == []
+

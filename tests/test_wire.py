@@ -10,7 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flatgrad
 from flatgrad.kernels import wire, wire_reference
+from flatgrad.layout import Layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BLOCKS = [32, 64, 256, 4096]
@@ -299,3 +301,119 @@ def test_compiled_ops_have_fakes():
         stats = torch.ops.flatgrad.wire_dequantize_sum(torch.empty(200, dtype=torch.uint8), 2, 32, 0, out, 1.0, True, True)
         assert stats.shape == (2,) and stats.dtype == torch.float32
         torch.ops.flatgrad.wire_quantize(torch.empty(8), 2, 32, 1, torch.empty(200, dtype=torch.uint8), None)
+        table, runs = torch.empty(3, 2, dtype=torch.int64), torch.empty(4, 5, dtype=torch.int64)
+        wire_buf = torch.empty(200, dtype=torch.uint8)
+        torch.ops.flatgrad._pack_quantize_table(table, runs, 8, 2, 32, 0, 1.0, wire_buf, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused pack-quantize ([Note: pack-quantize] in wire_reference.py)
+
+
+def _pack_quantize_case(numels, dtypes, missing, world_size, kind_layout, align, seed):
+    layout = Layout.make(kind_layout, numels, world_size, align)
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for i, (n, dtype) in enumerate(zip(numels, dtypes)):
+        if i in missing:
+            grads.append(None)
+            continue
+        g = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-10, 6, (), generator=gen)).item()
+        g[(torch.arange(n) // 37) % 4 == 0] = 0.0
+        grads.append(g.to(dtype))
+    return layout, grads
+
+
+def _pack_quantized(backend, layout, grads, block, kind, scale, residual, plan=False):
+    w = _wire_buffer(layout.world_size, layout.shard_numel, block)
+    r = None if residual is None else residual.clone()
+    if plan:
+        plan_ = wire.PackQuantizePlan(layout, grads, block=block, kind=kind, device=w.device, backend=backend)
+        plan_(grads, w, r, scale=scale)
+    else:
+        wire.pack_quantize(grads, layout, block, kind, w, r, scale=scale, backend=backend)
+    return (*_meaningful(w, layout.world_size, layout.shard_numel, block, kind), r)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@settings(max_examples=30, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 400), min_size=1, max_size=6).filter(lambda n: sum(n) > 0),
+    data=st.data(),
+    world_size=st.integers(1, 4),
+    kind_layout=st.sampled_from(["flat", "chunked"]),
+    align=st.sampled_from([1, 4, 16]),
+    block=st.sampled_from(BLOCKS),
+    kind=st.sampled_from(wire.KINDS),
+    scale=st.sampled_from([1.0, 0.5, 1 / 3]),
+    feedback=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_quantize_matches_reference(
+    backend, numels, data, world_size, kind_layout, align, block, kind, scale, feedback, seed
+):
+    dtypes = data.draw(st.lists(st.sampled_from(DTYPES), min_size=len(numels), max_size=len(numels)))
+    missing = data.draw(st.sets(st.integers(0, len(numels) - 1)))
+    layout, grads = _pack_quantize_case(numels, dtypes, missing, world_size, kind_layout, align, seed)
+    residual = None
+    if feedback:
+        residual = torch.randn(layout.numel, generator=torch.Generator().manual_seed(seed + 1)) * 1e-3
+    v0, s0, r0 = _pack_quantized("torch", layout, grads, block, kind, scale, residual)
+    v1, s1, r1 = _pack_quantized(backend, layout, grads, block, kind, scale, residual, plan=True)
+    assert torch.equal(s0, s1), "scales differ"
+    assert torch.equal(v0, v1), f"values differ at {(v0 != v1).nonzero()[:5].tolist()}"
+    if feedback:
+        assert torch.equal(r0, r1), "residuals differ"
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_reference_pack_quantize_is_fp32_pack_then_quantize(feedback, scale):
+    """The contract: what pack(dtype=float32, scale) followed by quantize writes, bit for bit."""
+    layout, grads = _pack_quantize_case([100, 33, 0, 500], DTYPES + [torch.bfloat16], {1}, 3, "chunked", 8, 5)
+    residual = torch.randn(layout.numel) * 1e-2 if feedback else None
+    expected = _wire_buffer(3, layout.shard_numel, 64)
+    r_expected = None if residual is None else residual.clone()
+    packed = flatgrad.pack(grads, layout, dtype=torch.float32, scale=scale, backend="torch")
+    wire.quantize(packed, 3, 64, "int8", expected, r_expected, backend="torch")
+    v, s, r = _pack_quantized("torch", layout, grads, 64, "int8", scale, residual)
+    assert torch.equal(v, _meaningful(expected, 3, layout.shard_numel, 64, "int8")[0])
+    assert torch.equal(s, _meaningful(expected, 3, layout.shard_numel, 64, "int8")[1])
+    if feedback:
+        assert torch.equal(r, r_expected)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+def test_pack_quantize_plan_reuses_its_table(backend):
+    layout, grads = _pack_quantize_case([300, 70], [torch.bfloat16, torch.float32], set(), 2, "flat", 1, 0)
+    plan = wire.PackQuantizePlan(layout, [None, None], block=32, kind="fp8", device="cpu", backend=backend)
+    w = torch.empty(plan.wire_bytes, dtype=torch.uint8)
+    plan(grads, w)
+    plan(grads, w)
+    assert plan.uploads == 1
+    plan([g.clone() for g in grads], w)  # new gradients every step: one table refresh
+    assert plan.uploads == 2
+    expected = _pack_quantized("torch", layout, grads, 32, "fp8", 1.0, None)
+    assert torch.equal(_meaningful(w, 2, layout.shard_numel, 32, "fp8")[0], expected[0])
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda p, g, w: p(g, w.to(torch.int8)), "wire"),
+        (lambda p, g, w: p(g, w[:10]), "wire"),
+        (lambda p, g, w: p(g, w, torch.zeros(3)), "residual"),
+        (lambda p, g, w: p(g, w, torch.zeros(p.layout.numel, dtype=torch.float64)), "residual"),
+        (lambda p, g, w: p([g[0], torch.zeros(5)], w), r"tensors\[1\]"),
+        (lambda p, g, w: p([g[0]], w), "tensors|2"),
+        (lambda p, g, w: p(g, w, scale=float("nan")), "scale"),
+        (lambda p, g, w: wire.PackQuantizePlan(p.layout, g, block=48, kind="int8"), "block"),
+        (lambda p, g, w: wire.PackQuantizePlan(p.layout, g, block=32, kind="int4"), "kind"),
+        (lambda p, g, w: wire.PackQuantizePlan(p.layout, [None, None], block=32, kind="int8"), "device"),
+    ],
+)
+def test_pack_quantize_bad_input_names_the_argument(call, message):
+    layout, grads = _pack_quantize_case([300, 70], [torch.float32, torch.float32], set(), 2, "flat", 1, 0)
+    plan = wire.PackQuantizePlan(layout, grads, block=32, kind="int8", backend="cpu")
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(plan, grads, torch.zeros(plan.wire_bytes, dtype=torch.uint8))

@@ -28,6 +28,7 @@
 #include <optional>
 
 #include "flatgrad/cuda_stats.cuh"
+#include "flatgrad/runs.h"
 #include "flatgrad/wire.h"
 
 namespace flatgrad {
@@ -85,18 +86,16 @@ __global__ void __launch_bounds__(kThreads) sum_kernel(const src_t* __restrict__
 
 __device__ __forceinline__ float nan_max(float m, float a) { return (a > m || a != a) ? a : m; }
 
-// One CUDA block quantizes one (destination w, block j) of the wire.
-template <typename src_t>
-__global__ void quantize_kernel(const src_t* __restrict__ src, float* __restrict__ res, uint8_t* __restrict__ wire_buf,
-                                int64_t s, int64_t block, int64_t nb, int64_t seg, int64_t kind) {
-  __shared__ float partial[kThreads];
-  const int64_t w = blockIdx.x / nb, j = blockIdx.x % nb;
-  const int64_t first = j * block, n = min(block, s - first);
-  const src_t* x_in = src + w * s + first;
-  float* r = res == nullptr ? nullptr : res + w * s + first;
+// Quantizes one block of n elements, x(k) its fp32 values before the residual, with the
+// whole CUDA block (every thread must call it): values[0, n), the fp32 scale to *scale_out,
+// and r[0, n) updated when r != nullptr. `partial` is kThreads floats of shared memory.
+template <typename Load>
+__device__ __forceinline__ void quantize_block(Load x, int64_t n, float* __restrict__ r, int64_t kind,
+                                               uint8_t* __restrict__ values, float* __restrict__ scale_out,
+                                               float* partial) {
   float m = 0.0f;
   for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-    float v = static_cast<float>(x_in[k]);
+    float v = x(k);
     if (r != nullptr) v = __fadd_rn(v, r[k]);
     m = nan_max(m, fabsf(v));
   }
@@ -107,10 +106,9 @@ __global__ void quantize_kernel(const src_t* __restrict__ src, float* __restrict
     __syncthreads();
   }
   const float scale = __fdiv_rn(partial[0], wire::qmax(kind));
-  uint8_t* segment = wire_buf + w * seg;
-  if (threadIdx.x == 0) reinterpret_cast<float*>(segment + round16(s))[j] = scale;
+  if (threadIdx.x == 0) *scale_out = scale;
   for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-    float v = static_cast<float>(x_in[k]);
+    float v = x(k);
     if (r != nullptr) v = __fadd_rn(v, r[k]);
     float dq = 0.0f;
     uint8_t code = 0;
@@ -127,9 +125,87 @@ __global__ void quantize_kernel(const src_t* __restrict__ src, float* __restrict
         dq = static_cast<float>(q);
       }
     }
-    segment[first + k] = code;
+    values[k] = code;
     if (r != nullptr) r[k] = __fsub_rn(v, __fmul_rn(dq, scale));
   }
+}
+
+// One CUDA block quantizes one (destination w, block j) of the wire.
+template <typename src_t>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const src_t* __restrict__ src, float* __restrict__ res,
+                                                            uint8_t* __restrict__ wire_buf, int64_t s, int64_t block,
+                                                            int64_t nb, int64_t seg, int64_t kind) {
+  __shared__ float partial[kThreads];
+  const int64_t w = blockIdx.x / nb, j = blockIdx.x % nb;
+  const int64_t first = j * block, n = min(block, s - first);
+  const src_t* x_in = src + w * s + first;
+  uint8_t* segment = wire_buf + w * seg;
+  quantize_block([x_in](int64_t k) { return static_cast<float>(x_in[k]); }, n,
+                 res == nullptr ? nullptr : res + w * s + first, kind, segment + first,
+                 reinterpret_cast<float*>(segment + round16(s)) + j, partial);
+}
+
+// fp32 of element `at` of a tensor whose table dtype code is `code`.
+__device__ __forceinline__ float load_code(int64_t address, int64_t code, int64_t at) {
+  switch (code) {
+    case kCodeBFloat16:
+      return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(address)[at]);
+    case kCodeHalf:
+      return static_cast<float>(reinterpret_cast<const c10::Half*>(address)[at]);
+    default:
+      return reinterpret_cast<const float*>(address)[at];
+  }
+}
+
+// The fused pack-quantize (see [Note: pack-quantize] in flatgrad/kernels/wire_reference.py):
+// one CUDA block per (destination w, block j). The block's elements [p0, p1) of the
+// (virtual) packed buffer are gathered along the pack run table into shared memory, as
+// fp32 times scale (padding and missing tensors: 0); thread 0 finds the first run by
+// binary search, then every thread walks the same runs. The quantize then reads shared
+// memory. The tensor table holds (address, dtype code) rows (table_col in flatgrad/runs.h).
+__global__ void __launch_bounds__(kThreads)
+    pack_quantize_kernel(const int64_t* __restrict__ runs, int64_t num_runs, const int64_t* __restrict__ table,
+                         float* __restrict__ res, uint8_t* __restrict__ wire_buf, int64_t s, int64_t block, int64_t nb,
+                         int64_t seg, int64_t kind, float scale, bool scaled) {
+  __shared__ float xs[4096];
+  __shared__ float partial[kThreads];
+  __shared__ int64_t first_run;
+  const int64_t w = blockIdx.x / nb, j = blockIdx.x % nb;
+  const int64_t first = j * block, n = min(block, s - first);
+  const int64_t p0 = w * s + first, p1 = p0 + n;
+  if (threadIdx.x == 0) {  // the last run with dst_offset <= p0 (the runs tile the buffer in order)
+    int64_t lo = 0, hi = num_runs;
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (__ldg(runs + mid * pack_col::kWidth + pack_col::kDstOffset) <= p0) lo = mid; else hi = mid;
+    }
+    first_run = lo;
+  }
+  __syncthreads();
+  for (int64_t k = first_run; k < num_runs; ++k) {
+    const int64_t* row = runs + k * pack_col::kWidth;
+    const int64_t dst = __ldg(row + pack_col::kDstOffset);
+    if (dst >= p1) break;
+    const int64_t length = __ldg(row + pack_col::kLength), valid = __ldg(row + pack_col::kValid);
+    const int64_t index = __ldg(row + pack_col::kTensorIndex), src_offset = __ldg(row + pack_col::kSrcOffset);
+    const int64_t address = valid > 0 ? __ldg(table + index * table_col::kWidth + table_col::kAddress) : 0;
+    const int64_t code = valid > 0 ? __ldg(table + index * table_col::kWidth + table_col::kCode) : kCodeNone;
+    const int64_t copied_end = dst + (address != 0 ? valid : 0);
+    const int64_t end = min(dst + length, p1);
+    for (int64_t pos = max(dst, p0) + threadIdx.x; pos < end; pos += blockDim.x) {
+      float v = 0.0f;
+      if (pos < copied_end) {
+        v = load_code(address, code, src_offset + (pos - dst));
+        if (scaled) v = __fmul_rn(v, scale);
+      }
+      xs[pos - p0] = v;
+    }
+  }
+  __syncthreads();
+  uint8_t* segment = wire_buf + w * seg;
+  const float* x = xs;
+  quantize_block([x](int64_t k) { return x[k]; }, n, res == nullptr ? nullptr : res + p0, kind, segment + first,
+                 reinterpret_cast<float*>(segment + round16(s)) + j, partial);
 }
 
 // One CUDA block dequantizes and sums one quantization block of the W segments.
@@ -242,6 +318,43 @@ void wire_quantize_cuda(const at::Tensor& packed, int64_t world_size, int64_t bl
   });
 }
 
+void pack_quantize_table_cuda(const at::Tensor& table, const at::Tensor& runs, int64_t numel, int64_t world_size,
+                              int64_t block, int64_t kind, double scale, const at::Tensor& wire_buf,
+                              const std::optional<at::Tensor>& residual) {
+  constexpr const char* op = "flatgrad::_pack_quantize_table";
+  check_cuda(wire_buf, "wire");
+  const at::Device device = wire_buf.device();
+  TORCH_CHECK(wire_buf.scalar_type() == at::kByte, op, ": wire must be uint8");
+  TORCH_CHECK(table.device() == device && table.scalar_type() == at::kLong && table.dim() == 2 &&
+                  table.size(1) == table_col::kWidth && table.is_contiguous(),
+              op, ": table must be a contiguous int64 tensor of shape [T, ", table_col::kWidth, "] on ", device);
+  TORCH_CHECK(runs.device() == device && runs.scalar_type() == at::kLong && runs.dim() == 2 &&
+                  runs.size(1) == pack_col::kWidth && runs.is_contiguous(),
+              op, ": runs must be a contiguous int64 tensor of shape [R, ", pack_col::kWidth, "] on ", device);
+  TORCH_CHECK(block >= 1 && block <= 4096, op, ": block must be in [1, 4096], got ", block);
+  TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, op, ": kind must be 0 (int8) or 1 (fp8), got ", kind);
+  TORCH_CHECK(world_size >= 1 && numel >= 0 && numel % world_size == 0, op, ": numel ", numel,
+              " is not a multiple of world_size ", world_size);
+  const int64_t s = numel / world_size, nb = nblocks(s, block), seg = segment_bytes(s, block);
+  TORCH_CHECK(wire_buf.numel() >= world_size * seg, op, ": wire has ", wire_buf.numel(), " bytes, needs ",
+              world_size * seg);
+  float* res = nullptr;
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(residual->device() == device && residual->scalar_type() == at::kFloat && residual->numel() == numel,
+                op, ": residual must be fp32 with numel (", numel, ") elements on ", device);
+    res = residual->mutable_data_ptr<float>();
+  }
+  if (s == 0 || runs.size(0) == 0) return;
+  TORCH_CHECK(world_size * nb <= INT32_MAX, op, ": too many blocks");
+  const c10::cuda::CUDAGuard guard(device);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  pack_quantize_kernel<<<static_cast<unsigned>(world_size * nb), kThreads, 0, stream>>>(
+      runs.const_data_ptr<int64_t>(), runs.size(0), table.const_data_ptr<int64_t>(), res,
+      wire_buf.mutable_data_ptr<uint8_t>(), s, block, nb, seg, kind, static_cast<float>(scale), scale != 1.0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 at::Tensor wire_dequantize_sum_cuda(const at::Tensor& wire_buf, int64_t world_size, int64_t block, int64_t kind,
                                     const at::Tensor& out, double scale, bool accumulate, bool stats) {
   check_cuda(wire_buf, "wire");
@@ -281,4 +394,5 @@ TORCH_LIBRARY_IMPL(flatgrad, CUDA, m) {
   m.impl("wire_sum", &flatgrad::cuda::wire_sum_cuda);
   m.impl("wire_quantize", &flatgrad::cuda::wire_quantize_cuda);
   m.impl("wire_dequantize_sum", &flatgrad::cuda::wire_dequantize_sum_cuda);
+  m.impl("_pack_quantize_table", &flatgrad::cuda::pack_quantize_table_cuda);
 }

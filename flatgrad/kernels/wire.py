@@ -8,6 +8,12 @@ Public wrappers validate their arguments once, then dispatch to a backend:
   (``csrc/wire.cpp``, ``csrc/cuda/wire.cu``);
 * ``triton``: ``wire_triton``.
 
+``PackQuantizePlan`` (and ``pack_quantize``, which makes one per call) is the
+int8/fp8 modes' fused pack side: the per-parameter gradients straight into the
+quantized wire, with no packed buffer (see [Note: pack-quantize] in
+``wire_reference.py``). It is a plan as ``PackPlan`` is (see [Note: plans] in
+``_plan.py``): same checks, same tensor table, same cached run table.
+
 ``WireKernels`` (from ``wire_kernels(name)``) skips the checks; the reducer
 validates its buffers once at construction and calls it on the hot path.
 
@@ -20,17 +26,21 @@ public wrappers (see [Note: wire arithmetic contract]).
 from __future__ import annotations
 
 import functools
-from typing import Protocol
+import threading
+from typing import Protocol, Sequence
 
 import torch
 
-from . import UnpackStats, wire_reference
-from ._plan import DTYPES
+from ..layout import Layout
+from . import UnpackStats, _tables, wire_reference
+from ._plan import (
+    _CODES, _COMPILED, _NONE, DTYPES, MaybeTensor, _Plan, _resolve, _TensorTable, check_pack_tensors, check_scale,
+)  # fmt: skip
 from .wire_reference import KINDS, QMAX, nblocks, segment_bytes
 
 __all__ = [
-    "KINDS", "QMAX", "MIN_BLOCK", "MAX_BLOCK", "WireKernels", "check_block", "check_kind", "dequantize_sum",
-    "nblocks", "quantize", "segment_bytes", "sum_sources", "wire_kernels",
+    "KINDS", "QMAX", "MIN_BLOCK", "MAX_BLOCK", "PackQuantizePlan", "WireKernels", "check_block", "check_kind",
+    "dequantize_sum", "nblocks", "pack_quantize", "quantize", "segment_bytes", "sum_sources", "wire_kernels",
 ]  # fmt: skip
 
 MIN_BLOCK, MAX_BLOCK = 32, 4096
@@ -69,11 +79,18 @@ class WireKernels(Protocol):
         accumulate: bool, stats: bool = False,
     ) -> torch.Tensor | None: ...  # fmt: skip
 
+    # torch and triton only: the compiled backends run PackQuantizePlan's table op instead.
+    def pack_quantize(
+        self, tensors: Sequence[MaybeTensor], layout: Layout, scale: float, block: int, kind: str, wire: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> None: ...  # fmt: skip
+
 
 class _Reference:
     name = "torch"
     sum_sources = staticmethod(wire_reference.sum_sources)
     quantize = staticmethod(wire_reference.quantize)
+    pack_quantize = staticmethod(wire_reference.pack_quantize)
     dequantize_sum = staticmethod(wire_reference.dequantize_sum)
 
 
@@ -121,6 +138,13 @@ def _register_fakes() -> None:
     ) -> None:
         return None
 
+    @torch.library.register_fake("flatgrad::_pack_quantize_table")
+    def _pack_quantize_fake(
+        table: torch.Tensor, runs: torch.Tensor, numel: int, world_size: int, block: int, kind: int, scale: float,
+        wire: torch.Tensor, residual: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        return None
+
     @torch.library.register_fake("flatgrad::wire_dequantize_sum")
     def _dequantize_sum_fake(
         wire: torch.Tensor, world_size: int, block: int, kind: int, out: torch.Tensor, scale: float, accumulate: bool,
@@ -140,8 +164,10 @@ def wire_kernels(name: str) -> WireKernels:
         missing = compiled._load()
         if missing:
             raise RuntimeError(f"the {name} wire kernels need {missing}")
-        if not hasattr(torch.ops.flatgrad, "wire_sum"):
-            raise RuntimeError("flatgrad._C has no wire kernels (built before csrc/wire.cpp existed): rebuild it")
+        if not hasattr(torch.ops.flatgrad, "_pack_quantize_table"):
+            raise RuntimeError(
+                "flatgrad._C lacks wire kernels (built before csrc/pack_quantize.cpp existed): rebuild it"
+            )
         _register_fakes()
         return _Compiled(name)
     if name == "triton":
@@ -237,3 +263,99 @@ def dequantize_sum(
         wire, world_size, block, kind, out, float(scale), bool(accumulate), bool(return_stats)
     )
     return _stats(result)
+
+
+class PackQuantizePlan(_Plan):
+    """The fused pack-quantize for one layout, ``block`` and ``kind``: validated once, called every step.
+
+    ``plan(tensors, wire, residual, scale=...)`` writes what ``pack(tensors, layout,
+    dtype=torch.float32, scale=scale)`` followed by ``quantize(packed, layout.world_size,
+    block, kind, wire, residual)`` would (see [Note: pack-quantize] in
+    ``wire_reference.py``), with no packed buffer. ``tensors`` are as a
+    ``PackPlan``'s: the example's numels, dtypes and device, ``None`` packs as
+    zeros, and a slot ``None`` in the example takes any supported dtype. See
+    [Note: plans] in ``_plan.py``.
+
+    Attributes:
+        layout: the layout (its ``world_size`` is the wire's number of segments).
+        block: elements per fp32 scale.
+        kind: ``"int8"`` or ``"fp8"``.
+        device: where the tensors and the wire live.
+        backend: the kernel backend's name.
+        wire_bytes: bytes of the wire it writes, ``layout.world_size * segment_bytes(shard_numel, block)``.
+        uploads: how many times the tensor table was (re)written (as ``PackPlan.uploads``).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        tensors: Sequence[MaybeTensor],
+        *,
+        block: int,
+        kind: str,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        no_device = "a PackQuantizePlan of zero tensors (or only None) needs device= (nothing gives the device)"
+        device, _ = check_pack_tensors(layout, tensors, device, no_device)
+        self.layout, self.device = layout, device
+        self.block, self.kind = check_block(block), check_kind(kind)
+        self.wire_bytes = layout.world_size * segment_bytes(layout.shard_numel, block)
+        impl, self.backend = _resolve(backend, device)
+        self._kernels = wire_kernels(self.backend)
+        expected = [(n, _NONE if t is None else _CODES[t.dtype]) for n, t in zip(layout.numels, tensors)]
+        self._table = _TensorTable(expected, device, self.backend)
+        self._lock = threading.Lock()
+        if self.backend in _COMPILED:
+            self._runs = _tables.pack_runs(layout, device, impl.max_len)  # PackPlan's table, shared through the cache
+            self._op = torch.ops.flatgrad._pack_quantize_table.default
+            self._kind_code = _KIND_CODES[kind]
+
+    def _check(self, wire: torch.Tensor, residual: torch.Tensor | None) -> None:
+        _check_flat(wire, "wire", (torch.uint8,))
+        if wire.numel() < self.wire_bytes or wire.device != self.device:
+            raise ValueError(
+                f"wire needs {self.wire_bytes} bytes on {self.device}, got {wire.numel()} on {wire.device}"
+            )
+        if residual is not None:
+            _check_flat(residual, "residual", (torch.float32,))
+            if residual.numel() != self.layout.numel or residual.device != self.device:
+                raise ValueError(f"residual must be fp32 with {self.layout.numel} elements on {self.device}")
+
+    def __call__(
+        self, tensors: Sequence[MaybeTensor], wire: torch.Tensor, residual: torch.Tensor | None = None, *,
+        scale: float = 1.0,
+    ) -> None:  # fmt: skip
+        """Quantize the fp32 pack of ``tensors`` (``None``: zeros) times ``scale`` into ``wire``; update residual."""
+        scale = check_scale(scale)
+        self._check(wire, residual)
+        with self._lock:
+            if self._table.refresh(tensors, "tensors", wire, "wire", True):
+                self._table.upload()
+            if self.backend in _COMPILED:
+                self._op(
+                    self._table.on_device, self._runs, self.layout.numel, self.layout.world_size, self.block,
+                    self._kind_code, scale, wire, residual,
+                )  # fmt: skip
+            else:
+                self._kernels.pack_quantize(tensors, self.layout, scale, self.block, self.kind, wire, residual)
+
+
+
+def pack_quantize(
+    tensors: Sequence[MaybeTensor], layout: Layout, block: int, kind: str, wire: torch.Tensor,
+    residual: torch.Tensor | None = None, *, scale: float = 1.0, backend: str | None = None,
+) -> None:  # fmt: skip
+    """``quantize(pack(tensors, layout, dtype=float32, scale=scale), ...)`` in one pass, without the packed buffer.
+
+    See [Note: pack-quantize] in ``wire_reference.py``. ``wire`` is ``uint8`` of
+    ``layout.world_size * segment_bytes(layout.shard_numel, block)`` bytes on the
+    tensors' device; ``residual`` (error feedback) is fp32 of ``layout.numel``.
+    Checks everything and makes a ``PackQuantizePlan`` every call: a caller that
+    repeats should keep the plan.
+    """
+    if not isinstance(wire, torch.Tensor):
+        raise TypeError(f"wire must be a tensor, got {type(wire).__name__}")
+    check_scale(scale)
+    plan = PackQuantizePlan(layout, tensors, block=block, kind=kind, device=wire.device, backend=backend)
+    plan(tensors, wire, residual, scale=scale)

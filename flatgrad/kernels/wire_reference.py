@@ -4,11 +4,14 @@ The wire kernels serve the reduction modes that replace the reduce_scatter by
 one ``all_to_all`` (see DESIGN.md, "Reduction modes"): the packed buffer holds
 ``W`` chunks of ``S`` elements, chunk ``r`` for rank ``r``; after the
 all_to_all, source ``w`` of the receive buffer is what rank ``w`` sent to this
-rank. Three operations:
+rank. Four operations:
 
 * ``sum_sources``: ``exact`` mode's unpack; the sources are comm-dtype chunks.
-* ``quantize``: the int8/fp8 modes' pack side; writes the wire format from the
-  packed buffer (optionally adding and updating an error-feedback residual).
+* ``quantize``: writes the wire format from a packed buffer (optionally adding
+  and updating an error-feedback residual).
+* ``pack_quantize``: the int8/fp8 modes' pack side, ``pack`` and ``quantize``
+  fused: the wire is written from the per-parameter gradients directly (see
+  [Note: pack-quantize]).
 * ``dequantize_sum``: the int8/fp8 modes' unpack.
 
 [Note: wire format]
@@ -24,6 +27,23 @@ bytes). Segment layout, offsets in bytes:
 
 ``segment_bytes(S, block) = round16(S) + round16(4 * nblocks)``. Against a bf16 wire
 (``2 * S`` bytes) that is ``0.5 + 2 / block`` of it for large ``S`` (0.508 at block 256).
+
+[Note: pack-quantize]
+``pack_quantize(tensors, layout, scale, block, kind, wire, residual)`` writes
+exactly what ``pack(tensors, layout, dtype=float32, scale=scale)`` followed by
+``quantize(packed, layout.world_size, block, kind, wire, residual)`` writes,
+without the packed buffer: per element ``x = float32(grad)``, times
+``float32(scale)`` in one fp32 multiply when ``scale != 1`` (the regular pack's
+rule, [Note: arithmetic contract] in ``reference.py``); padding and a missing
+tensor (``None``) are ``x = 0``; then the block quantize below (with the
+residual added to every element, padding included). It reads the gradients
+through the layout's pack run table, as the regular pack does.
+
+The reducer's int8/fp8 modes used to pack into a comm-dtype (e.g. bf16) buffer
+and quantize that: the values were rounded twice, to the comm dtype and then
+to the wire. The fused path quantizes the fp32 values, one rounding fewer
+(more accurate, intended), and so on purpose not bitwise what the unfused
+bf16 pack + quantize gave; nor does it need the comm-dtype buffer.
 
 [Note: wire arithmetic contract]
 All arithmetic is fp32, round-to-nearest-even, no fused multiply-add.
@@ -52,7 +72,12 @@ All arithmetic is fp32, round-to-nearest-even, no fused multiply-add.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+from ..layout import Layout
+from . import reference
 
 QMAX = {"int8": 127.0, "fp8": 448.0}
 KINDS = tuple(QMAX)
@@ -121,6 +146,25 @@ def quantize(
     if residual is not None:
         deq = (q.to(torch.float32) * scale[..., None]).view(world_size, -1)[:, :s]
         residual.view(world_size, s).copy_(x - deq)
+
+
+@torch.no_grad()
+def pack_quantize(
+    tensors: Sequence[torch.Tensor | None],
+    layout: Layout,
+    scale: float,
+    block: int,
+    kind: str,
+    wire: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> None:
+    """Quantize the fp32 pack of ``tensors`` (``None``: zeros) into ``wire``. See [Note: pack-quantize]."""
+    if layout.numel == 0:
+        return
+    device = wire.device
+    packed = torch.empty(layout.numel, dtype=torch.float32, device=device)
+    reference.pack(tensors, layout, packed, scale)
+    quantize(packed, layout.world_size, block, kind, wire, residual)
 
 
 def _finish(acc: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool, stats: bool) -> torch.Tensor | None:

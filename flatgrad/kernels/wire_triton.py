@@ -12,6 +12,11 @@ and on sm_90 alike, where Triton's own conversions differ between them:
   bit operations (the same trick at the value's quantum), so no backend-specific
   float8 cast is involved.
 
+``_pack_quantize_kernel`` (see [Note: pack-quantize] in ``wire_reference.py``)
+reads the gradients through the pack run table and ``triton_backend``'s pointer
+tables (see [Note: triton pointer tables]) and shares the quantize itself
+(``_quantize_store``) with ``_quantize_kernel``.
+
 With stats, each program stores the fp32 sum of squares and the non-finite count
 of the values it wrote, and torch sums those partials in program order, as the
 regular unpack does (``triton_backend._launch_unpack``): deterministic for a
@@ -20,9 +25,16 @@ given shape.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from .triton_backend import _from_f32, _jit, _to_f32, tl, triton
+from ..layout import Layout
+
+from . import _tables
+from .triton_backend import (
+    _CODES, _MIXED, _bf16_to_f32, _from_f32, _jit, _on_device, _pointer_tables, _to_f32, tl, triton,
+)  # fmt: skip
 from .wire_reference import nblocks, round16, segment_bytes
 
 _KINDS = {"int8": 0, "fp8": 1}
@@ -99,21 +111,15 @@ def _sum_kernel(
 
 
 @_jit
-def _quantize_kernel(
-    src_ptr, res_ptr, values_ptr, scales_ptr, shard_numel, seg, scales_at, nblocks,
-    KIND: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+def _quantize_store(
+    x, mask, res_ptr, values_ptr, scales_ptr, elem, in_segment, w, j, seg, scales_at,
+    KIND: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
-    """One program quantizes one block of one destination's segment."""
-    pid = tl.program_id(0).to(tl.int64)
-    w = pid // nblocks
-    j = pid % nblocks
-    first = j * BLOCK
-    offs = tl.arange(0, BLOCK)
-    mask = first + offs < shard_numel
-    x = _to_f32(tl.load(src_ptr + w * shard_numel + first + offs, mask=mask, other=0))
-    if HAS_RES:
-        x = x + tl.load(res_ptr + w * shard_numel + first + offs, mask=mask, other=0.0)
-    x = tl.where(mask, x, 0.0)
+    """Quantize block ``j`` of segment ``w`` from its fp32 values ``x`` (masked-off lanes 0) and store it.
+
+    ``elem``: the lanes' element offsets in the packed buffer (they index the residual;
+    ``x`` already includes it when ``HAS_RES``); ``in_segment``: their offsets in the segment.
+    """
     absmax = tl.max(tl.abs(x), axis=0)
     absmax = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), absmax)  # max() may drop NaN
     if KIND == 0:
@@ -129,10 +135,91 @@ def _quantize_kernel(
     else:
         code = _fp8_encode(tl.minimum(tl.maximum(y, -448.0), 448.0))
         dq = _fp8_decode(code)
-    tl.store(values_ptr + w * seg + first + offs, code.to(tl.int8), mask=mask)
+    tl.store(values_ptr + w * seg + in_segment, code.to(tl.int8), mask=mask)
     tl.store(scales_ptr + (w * seg + scales_at) // 4 + j, scale)
     if HAS_RES:
-        tl.store(res_ptr + w * shard_numel + first + offs, x - dq * scale, mask=mask)
+        tl.store(res_ptr + elem, x - dq * scale, mask=mask)
+
+
+@_jit
+def _quantize_kernel(
+    src_ptr, res_ptr, values_ptr, scales_ptr, shard_numel, seg, scales_at, nblocks,
+    KIND: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program quantizes one block of one destination's segment."""
+    pid = tl.program_id(0).to(tl.int64)
+    w = pid // nblocks
+    j = pid % nblocks
+    in_segment = j * BLOCK + tl.arange(0, BLOCK)
+    mask = in_segment < shard_numel
+    elem = w * shard_numel + in_segment
+    x = _to_f32(tl.load(src_ptr + elem, mask=mask, other=0))
+    if HAS_RES:
+        x = x + tl.load(res_ptr + elem, mask=mask, other=0.0)
+    x = tl.where(mask, x, 0.0)
+    _quantize_store(x, mask, res_ptr, values_ptr, scales_ptr, elem, in_segment, w, j, seg, scales_at, KIND, HAS_RES)
+
+
+@_jit
+def _pack_quantize_kernel(
+    runs_ptr, num_runs, src_ptrs_ptr, src_codes_ptr, res_ptr, values_ptr, scales_ptr, shard_numel, seg, scales_at,
+    nblocks, scale, SRC_CODE: tl.constexpr, KIND: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program packs (fp32, scaled) and quantizes one block of one destination's segment.
+
+    The block's elements ``[p0, p1)`` of the packed buffer are gathered along the pack
+    run table (see [Note: run tables]): a binary search finds the run holding ``p0``,
+    then the runs are walked until ``p1``. Elements outside every run's valid part
+    (padding) or of a missing tensor (address 0) stay 0.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    w = pid // nblocks
+    j = pid % nblocks
+    in_segment = j * BLOCK + tl.arange(0, BLOCK)
+    mask = in_segment < shard_numel
+    elem = w * shard_numel + in_segment
+    p0 = w * shard_numel + j * BLOCK
+    p1 = p0 + tl.minimum(shard_numel - j * BLOCK, BLOCK)
+    # The last run whose dst_offset <= p0 (runs tile the buffer in order; an empty run is skipped over).
+    lo = tl.full([], 0, tl.int64)  # a tensor, not a constant: num_runs == 1 is specialised to one
+    hi = lo + num_runs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        at_or_before = tl.load(runs_ptr + mid * 5) <= p0
+        lo = tl.where(at_or_before, mid, lo)
+        hi = tl.where(at_or_before, hi, mid)
+    x = tl.zeros([BLOCK], dtype=tl.float32)
+    k = lo
+    dst_offset = tl.load(runs_ptr + k * 5)
+    while dst_offset < p1:
+        run = runs_ptr + k * 5
+        tensor_index = tl.load(run + 1)
+        src_offset = tl.load(run + 2)
+        valid = tl.load(run + 4)
+        reads = valid > 0  # padding runs touch neither table nor data
+        src = tl.load(src_ptrs_ptr + tensor_index, mask=reads, other=0)
+        if SRC_CODE == -1:
+            code = tl.load(src_codes_ptr + tensor_index, mask=reads, other=0)
+        else:
+            code = SRC_CODE
+        copied = tl.where(src != 0, valid, 0)  # address 0: a missing tensor, zeros
+        in_run = mask & (elem >= dst_offset) & (elem < dst_offset + copied)
+        at = src_offset + (elem - dst_offset)
+        if code == 0:
+            value = tl.load(src.to(tl.pointer_type(tl.float32)) + at, mask=in_run, other=0.0)
+        elif code == 1:
+            value = _bf16_to_f32(tl.load(src.to(tl.pointer_type(tl.bfloat16)) + at, mask=in_run, other=0))
+        else:
+            value = tl.load(src.to(tl.pointer_type(tl.float16)) + at, mask=in_run, other=0).to(tl.float32)
+        if scale != 1.0:
+            value = value * scale
+        x = tl.where(in_run, value, x)
+        k += 1
+        dst_offset = tl.load(runs_ptr + k * 5, mask=k < num_runs, other=p1)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + elem, mask=mask, other=0.0)
+    x = tl.where(mask, x, 0.0)
+    _quantize_store(x, mask, res_ptr, values_ptr, scales_ptr, elem, in_segment, w, j, seg, scales_at, KIND, HAS_RES)
 
 
 @_jit
@@ -202,6 +289,28 @@ class Backend:
             **_OPTIONS,
         )  # fmt: skip
 
+    def pack_quantize(
+        self, tensors: Sequence[torch.Tensor | None], layout: Layout, scale: float, block: int, kind: str,
+        wire: torch.Tensor, residual: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        device = wire.device
+        s, world_size = layout.shard_numel, layout.world_size
+        nb = nblocks(s, block)
+        runs = _tables.pack_runs(layout, device, None)  # unsplit: a program walks the runs its block overlaps
+        if nb == 0 or runs.shape[0] == 0:
+            return
+        ptrs, codes = _pointer_tables.get(tensors, device)
+        dtypes = {t.dtype for t in tensors if t is not None}
+        src_code = _CODES[dtypes.pop()] if len(dtypes) == 1 else (0 if not dtypes else _MIXED)
+        wire = wire[: world_size * segment_bytes(s, block)]
+        with _on_device(device):
+            _pack_quantize_kernel[(world_size * nb,)](
+                runs, runs.shape[0], ptrs, codes, residual if residual is not None else wire.view(torch.float32),
+                wire.view(torch.int8), wire.view(torch.float32), s, segment_bytes(s, block), round16(s), nb,
+                float(scale), SRC_CODE=src_code, KIND=_KINDS[kind], HAS_RES=residual is not None, BLOCK=block,
+                **_OPTIONS,
+            )  # fmt: skip
+
     def dequantize_sum(
         self, wire: torch.Tensor, world_size: int, block: int, kind: str, out: torch.Tensor, scale: float,
         accumulate: bool, stats: bool = False,
@@ -251,6 +360,17 @@ def kernel_specs(block: int = 256) -> list:
                 constexprs = {"KIND": code, "HAS_RES": has_res, "BLOCK": block}
                 name = f"_quantize_kernel[{src}->{kind}{',residual' if has_res else ''}]"
                 specs.append(KernelSpec(name, _quantize_kernel, signature, constexprs, dict(_OPTIONS)))
+        for src_code, src in ((0, "fp32"), (1, "bf16"), (2, "fp16"), (_MIXED, "mixed")):
+            for has_res in (False, True):
+                signature = {
+                    "runs_ptr": "*i64", "num_runs": "i64", "src_ptrs_ptr": "*i64", "src_codes_ptr": "*i32",
+                    "res_ptr": "*fp32", "values_ptr": "*i8", "scales_ptr": "*fp32", "shard_numel": "i64",
+                    "seg": "i64", "scales_at": "i64", "nblocks": "i64", "scale": "fp32", "SRC_CODE": "constexpr",
+                    "KIND": "constexpr", "HAS_RES": "constexpr", "BLOCK": "constexpr",
+                }  # fmt: skip
+                constexprs = {"SRC_CODE": src_code, "KIND": code, "HAS_RES": has_res, "BLOCK": block}
+                name = f"_pack_quantize_kernel[{src}->{kind}{',residual' if has_res else ''}]"
+                specs.append(KernelSpec(name, _pack_quantize_kernel, signature, constexprs, dict(_OPTIONS)))
         for out in short.values():
             for accumulate, stats in ((False, False), (True, False), (False, True), (True, True)):
                 signature = {

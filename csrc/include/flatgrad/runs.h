@@ -3,7 +3,9 @@
 // (pack) and [R, 4] (unpack), row-major, made once per layout and device.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include <c10/core/ScalarType.h>
 
@@ -30,6 +32,14 @@ constexpr int64_t kOutOffset = 2;
 constexpr int64_t kLength = 3;
 constexpr int64_t kWidth = 4;
 }  // namespace unpack_col
+
+// The run k with start[k] <= pos < start[k + 1], where start (R + 1 entries) holds
+// every run's first element and the total; start is sorted, and an empty run is
+// never returned, as upper_bound skips past it. Host code (the CPU kernels).
+inline int64_t find_run(const std::vector<int64_t>& start, int64_t pos) {
+  const auto it = std::upper_bound(start.begin(), start.end() - 1, pos);
+  return static_cast<int64_t>(it - start.begin()) - 1;
+}
 
 // Tensor tables: int64 [T, 2] rows (address, dtype code), one per tensor of a
 // call. The CUDA ops build one per call; a PackPlan / UnpackPlan keeps one (see
