@@ -73,3 +73,53 @@ def test_fp16_loss_scaling_skips_and_scales_like_stock(stage, accum):
         assert flat["scales"] == stock["scales"]
         for name, p in stock["params"].items():  # two ranks: the same sums in the same dtypes, so the same bits
             assert torch.equal(flat["params"][name], p), (name, (flat["params"][name] - p).abs().max().item())
+
+
+def _edited_rank(rank, world_size, stage):
+    """Gradients written through DeepSpeed's API after backward (``safe_set_full_grad``): inf on some steps,
+    a finite rescale on the others. The step must see them, as stock does."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_grad
+
+    import flatgrad.deepspeed as fds
+
+    # Even sizes: DeepSpeed's own ZeRO-3 set_fp32_grad_for_param fails on a parameter of 5 elements on 2 ranks.
+    batches = make_batches(rank, 6, 2, 12, 6)
+    out = {}
+    for kind, initialize in (("stock", deepspeed.initialize), ("flatgrad", fds.initialize)):
+        torch.manual_seed(0)
+        model = MLP(d_in=12, hidden=48, d_out=6)
+        cfg = ds_config(stage, world_size=world_size, bucket=400, dtype="fp16", clip=0.5)
+        cfg["fp16"].update(initial_scale_power=8, loss_scale_window=2, hysteresis=1)
+        engine, *_ = initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+        skipped, scales, norms = [], [], []
+        for k, (x, y) in enumerate(batches):
+            engine.backward(engine(x.half(), y.half()))
+            for p in engine.module.parameters():
+                grad = safe_get_full_grad(p)
+                safe_set_full_grad(p, torch.full_like(grad, float("inf")) if k % 3 == 1 else grad * 3)
+            before = engine.skipped_steps
+            engine.step()
+            skipped.append(engine.skipped_steps > before)
+            scales.append(float(engine.optimizer.loss_scale))
+            norms.append(float(engine.get_global_grad_norm() or 0.0))
+        params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+        out[kind] = {"skipped": skipped, "scales": scales, "norms": norms, "params": params}
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_written_through_deepspeeds_api_are_seen_by_the_step(stage):
+    """The norm and overflow come from the unpack's stats; a gradient written after the unpack through
+    safe_set_full_grad is not in them, so that step reads the partitions: the same skips, scales and
+    norms as stock (DeepSpeed's own TestZeROFloat16 overflow tests write gradients this way)."""
+    for rank, out in enumerate(launch(_edited_rank, 2, stage, timeout=220)):
+        stock, flat = out["stock"], out["flatgrad"]
+        assert stock["skipped"] == [k % 3 == 1 for k in range(6)], stock["skipped"]
+        assert flat["skipped"] == stock["skipped"] and flat["scales"] == stock["scales"], (rank, flat, stock)
+        for mine, theirs in zip(flat["norms"], stock["norms"]):
+            assert abs(mine - theirs) <= 1e-6 * abs(theirs) or mine == theirs, (rank, flat["norms"], stock["norms"])
+        for name, value in stock["params"].items():
+            err = float((flat["params"][name] - value).abs().max() / value.abs().max())
+            assert err <= 1e-6, (rank, name, err)

@@ -56,7 +56,11 @@ so its stats are exactly what both checks need. ``has_overflow`` and
 groups are then averaged over their expert group as stock does. Summation
 order differs from stock's per-piece norms (within fp32 rounding). With model
 or pipeline parallelism, where stock filters pieces by rank, the norm is read
-from the partitions as stock does.
+from the partitions as stock does; so it is in a window where a gradient was
+written through DeepSpeed's API after its unpack (``safe_set_full_grad`` ends
+in ``update_offload_overflow_tracker`` for params linked by ``_zero_optimizer``,
+which ``install`` links and wraps to say so). A write
+straight into the partitions, behind DeepSpeed's API, is not seen.
 
 [Note: ZeRO-2 step]
 Stock's ``step()`` loops over param groups: per group it builds the fp32
@@ -536,6 +540,7 @@ class Zero2Reduction:
         ]
         self.partitions: list[Any] | None = None
         self._gather_plan: list[tuple[Any, list[int]]] | None = None
+        self._stats_stale = False
         self._bit16_viewed = [False] * len(self.layouts)
         self._window_open = False
         self.reductions = 0
@@ -838,6 +843,7 @@ class Zero2Reduction:
                     o.averaged_gradients[i] = None
         self.partitions = None
         self._step_stats = None
+        self._stats_stale = False
         for r in self.reducers:
             r.zero_grad()
 
@@ -907,11 +913,25 @@ class Zero2Reduction:
                 if key != "params":
                     group[key] = value
 
+    def _grad_edited(self, grad: Any) -> None:
+        """Wraps ``update_offload_overflow_tracker``, which DeepSpeed's ``safe_set_full_grad`` calls after writing.
+
+        DeepSpeed calls it for params linked to the optimizer by ``_zero_optimizer``,
+        which it sets under offload only; ``install`` links every param. A gradient
+        written into a partition after its unpack is not in the unpack's stats: this
+        window's step reads the partitions, as stock does.
+        """
+        self._stats_stale = True
+        self._stock_update_overflow_tracker(grad)
+
     def _stats_usable(self) -> bool:
-        """Whether the unpack stats give stock's norm: no model parallelism, no pipe-replicated params."""
+        """Whether the unpack stats give stock's norm: no model parallelism, no pipe-replicated params, no
+        gradient edited through DeepSpeed's API since the unpack."""
         from deepspeed.runtime.constants import PIPE_REPLICATED
 
         o = self.optimizer
+        if self._stats_stale:
+            return False
         if o.mpu is not None or o.model_parallel_group is not None:
             return False
         if not all(r.stats_available for r in self.reducers):
@@ -1058,6 +1078,12 @@ class Zero2Reduction:
         o.scaled_global_norm = self.scaled_global_norm
         self._stock_has_overflow = o.has_overflow
         o.has_overflow = self.has_overflow
+        self._stock_update_overflow_tracker = o.update_offload_overflow_tracker
+        o.update_offload_overflow_tracker = self._grad_edited
+        for group in o.bit16_groups:  # as DeepSpeed links them under offload: set_full_hp_grad then tells us
+            for lp in group:
+                if getattr(lp, "_hp_mapping", None) is not None:
+                    lp._zero_optimizer = o
         o._release_ipg_buffers()
         o._flatgrad = self
 
@@ -1072,6 +1098,7 @@ _SEAMS = (
     "round_robin_bit16_padding",
     "scaled_global_norm",
     "has_overflow",
+    "update_offload_overflow_tracker",
     "averaged_gradients",
     "round_robin_bit16_groups",
     "params_in_partition",

@@ -57,7 +57,11 @@ what an earlier backward, or an earlier step, left there). The check is made
 on the host, from the buckets' parameter ids, which every rank shares (the
 reduce_scatters match only if the buckets do), so every rank takes the same
 path; otherwise, or with model parallelism, Muon, or buckets reduced over
-more than one group (MoE), the step is stock's. The norm
+more than one group (MoE), the step is stock's. So is a step after a gradient
+was written through DeepSpeed's API between backward and step
+(``safe_set_full_grad`` and kin, whose optimizer methods are wrapped to say
+so): the unpack's stats do not know that write. A write straight into the
+partitions, behind DeepSpeed's API, is not seen. The norm
 is the square root of the summed squares (one group: stock combines per-group
 norms into the same value, up to rounding), -1 when non-finite, as stock's
 ``get_grad_norm_direct`` returns. Stock sums the norm in its norm dtype (fp64
@@ -188,6 +192,7 @@ class Zero3Reducer:
         self._stock_has_overflow = optimizer.has_overflow
         self._stock_step = optimizer.step
         self._stock_zero_grad = optimizer.zero_grad
+        self._stats_stale = False
 
     def describe(self) -> str:
         """The take-over line: stage, sub-groups, buckets, reduction method."""
@@ -353,6 +358,8 @@ class Zero3Reducer:
         opt = self.optimizer
         if opt.model_parallel_group is not None or getattr(opt, "use_muon", False) or self.stats.keys is None:
             return False
+        if self._stats_stale:
+            return False
         keys = tuple(self.stats.keys)
         usable = self._covers.get(keys)
         if usable is None:
@@ -396,6 +403,16 @@ class Zero3Reducer:
             return self._stock_has_overflow(partition_gradients)
         return bool(self._reduced_stats()[1].item() > 0)  # stock returns a bool too (one host sync)
 
+    def _edits_grads(self, method: Any) -> Any:
+        """Wraps a DeepSpeed method that writes grad partitions (``safe_set_full_grad`` and kin): a partition
+        written after its unpack is not in the unpack's stats, so this window's step reads the partitions."""
+
+        def edited(*args: Any, **kwargs: Any) -> Any:
+            self._stats_stale = True
+            return method(*args, **kwargs)
+
+        return edited
+
     def step(self, closure: Any = None) -> Any:
         """Wraps ``step``: the window's stats are consumed (or discarded) with it."""
         try:
@@ -411,6 +428,7 @@ class Zero3Reducer:
     def _end_window(self) -> None:
         self.stats.reset()
         self._reduced = None
+        self._stats_stale = False
 
 
 class _BackwardStats:
@@ -431,9 +449,13 @@ class _BackwardStats:
         self.keys.append(key)
 
 
+# DeepSpeed's methods behind safe_set_full_grad / safe_set_local_grad / safe_update_full_grad_vectorized.
+_GRAD_WRITERS = ("set_fp32_grad_for_param", "set_local_grad_for_param", "update_fp32_grad_for_param_vectorized")
+
+
 # What the replacement seams call or read on the optimizer, besides the seams themselves.
 _METHODS = ("get_param_comm_dtype", "_get_param_partition_group", "_assert_same_partition_group",
-            "_gradient_averaging_world_size", "_get_norm_groups", "has_overflow", "step", "zero_grad")
+            "_gradient_averaging_world_size", "_get_norm_groups", "has_overflow", "step", "zero_grad") + _GRAD_WRITERS
 _STATE = ("ipg_buckets", "param_reduce_events", "max_param_reduce_events", "reduce_and_partition_stream",
           "micro_step_id", "grad_partitions_flat_buffer", "_offload_boundary_param_ids", "enable_sanity_checks",
           "fp16_groups", "dp_process_group", "model_parallel_group")
@@ -519,5 +541,7 @@ def install(engine: Any, cfg: FlatgradConfig) -> "Zero3Reducer | None":
     opt.has_overflow = reducer.has_overflow
     opt.step = reducer.step
     opt.zero_grad = reducer.zero_grad
+    for name in _GRAD_WRITERS:
+        setattr(opt, name, reducer._edits_grads(getattr(opt, name)))
     setattr(opt, _ATTR, reducer)
     return reducer
