@@ -85,6 +85,10 @@ alive (a shard is dropped, never resized under a view).
   ``error_feedback`` a persistent fp32 residual per bucket (``layout.numel``
   elements) carries this rank's quantization error into its next quantize.
 
+On a one-rank group nothing is sent, so every mode takes the path above (a
+copy through the comm dtype): a quantized wire would only add its rounding,
+and error feedback would carry it. That is the MoE expert group of one rank.
+
 With ``collect_stats`` both wire unpacks return the same stats as the regular
 unpack (sum of squares and non-finite count of the shard as written), so
 ``shard_stats()`` works in every mode.
@@ -334,6 +338,8 @@ class BucketReducer:
         try:
             _check_pool_args(comm_buffers, accum_dtype)
             self._reduction = _check_reduction(reduction, block, error_feedback)
+            if self.world_size == 1:  # nothing is sent: a mode's wire would only add rounding to the copy
+                self._reduction = ("reduce_scatter", self._reduction[1], False)
             plans = self._plan(
                 buckets, comm_dtype, layout, align, average, prescale, postscale, backend, method, register_hooks
             )

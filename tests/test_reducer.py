@@ -796,3 +796,32 @@ def test_quantized_modes_allocate_no_comm_dtype_buffer():
     for failures in run_ranks(_quantized_pool_rank, 2, timeout=50):
         assert failures == []
 
+
+
+def _one_rank_modes_rank(rank: int, world_size: int) -> dict:
+    """Every mode on a one-rank group: the shard it writes, and whether it keeps wire or residual buffers."""
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(300, generator=gen), torch.randn(77, generator=gen)]
+    out = {}
+    for reduction, extra in (("reduce_scatter", {}), ("exact", {}), ("int8", {"error_feedback": True}), ("fp8", {})):
+        params = [nn.Parameter(torch.zeros(g.numel())) for g in grads]
+        reducer = BucketReducer([params], register_hooks=False, comm_dtype=torch.bfloat16, reduction=reduction, **extra)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+            reducer.mark_ready(p)
+        reducer.finish()
+        b = reducer._buckets[0]
+        out[reduction] = (reducer.grad_shards()[0].shard.clone(), b.wire_send is None and b.residual is None)
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_one_rank_group_sends_nothing_so_every_mode_copies():
+    """On a one-rank group (an MoE expert group of one rank) a mode's wire would only add rounding: every
+    mode writes the plain path's shard, bitwise, and keeps no wire or error-feedback buffers."""
+    out = run_ranks(_one_rank_modes_rank, 1, timeout=25)[0]
+    plain, _ = out["reduce_scatter"]
+    assert plain.abs().sum() > 0
+    for reduction, (shard, no_wire) in out.items():
+        assert torch.equal(shard, plain), reduction
+        assert no_wire, reduction
