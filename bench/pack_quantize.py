@@ -14,24 +14,12 @@ Times are the minimum and the median of ``--repeat`` calls, after one warm-up (t
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from flatgrad.bench._harness import min_median
 from flatgrad.kernels import DTYPE_NAMES, PackPlan, wire
 from flatgrad.layout import Layout
-
-
-def _times(fn, repeat: int) -> tuple[float, float]:
-    """``(min, median)`` seconds of ``repeat`` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times), statistics.median(times)
 
 
 def main() -> None:
@@ -67,8 +55,8 @@ def main() -> None:
         kernels.quantize(buffer, w, block, kind, wire_buf, residual)
 
     rows = [
-        (f"pack {args.comm_dtype} + quantize (baseline)", _times(two_ops, args.repeat)),
-        ("fused pack-quantize", _times(lambda: fused(grads, wire_buf, residual, scale=0.5), args.repeat)),
+        (f"pack {args.comm_dtype} + quantize (baseline)", min_median(two_ops, args.repeat)),
+        ("fused pack-quantize", min_median(lambda: fused(grads, wire_buf, residual, scale=0.5), args.repeat)),
     ]
     print(
         f"{layout.numel} elements ({args.params} {args.grad_dtype} gradients), W={w}, block={block}, {kind}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import statistics
 import time
 from typing import Callable, Sequence
 
@@ -127,3 +128,14 @@ def require_matplotlib():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def min_median(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """``(min, median)`` seconds of ``repeat`` calls of ``fn``, after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times), statistics.median(times)

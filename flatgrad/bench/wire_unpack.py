@@ -17,26 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from ..kernels import wire
+from ._harness import min_median
 
 __all__ = ["measure", "format_table", "main"]
-
-
-def _times(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """``(min, median)`` seconds of ``repeat`` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times), statistics.median(times)
 
 
 def measure(numel: int, world: int, *, block: int = 256, repeat: int = 20, backend: str = "cpu") -> dict:
@@ -45,21 +33,21 @@ def measure(numel: int, world: int, *, block: int = 256, repeat: int = 20, backe
         raise ValueError(f"numel, world and repeat must be >= 1, got {numel}, {world}, {repeat}")
     src = torch.empty(64 << 20, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
-    copy_min, copy_median = _times(lambda: dst.copy_(src), repeat)
+    copy_min, copy_median = min_median(lambda: dst.copy_(src), repeat)
     bandwidth = 2 * src.numel() / copy_min
     out = torch.randn(numel)
     recv = torch.randn(world * numel).bfloat16()
     rows = []
     for accumulate in (False, True):
         moved = recv.numel() * 2 + numel * 4 * (2 if accumulate else 1)
-        t = _times(lambda: wire.sum_sources(recv, world, out, 1.0 / world, accumulate, backend=backend), repeat)
+        t = min_median(lambda: wire.sum_sources(recv, world, out, 1.0 / world, accumulate, backend=backend), repeat)
         rows.append(("exact (bf16)", accumulate, moved, t))
     for kind in wire.KINDS:
         wire_buf = torch.empty(world * wire.segment_bytes(numel, block), dtype=torch.uint8)
         wire.quantize(torch.randn(world * numel), world, block, kind, wire_buf, backend=backend)
         for accumulate in (False, True):
             moved = wire_buf.numel() + numel * 4 * (2 if accumulate else 1)
-            t = _times(
+            t = min_median(
                 lambda: wire.dequantize_sum(wire_buf, world, block, kind, out, 1.0 / world, accumulate, backend=backend),
                 repeat,
             )
