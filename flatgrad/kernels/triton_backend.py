@@ -105,6 +105,18 @@ def _from_f32(x, DTYPE: tl.constexpr):
 
 
 @_jit
+def _load_f32(src, at, mask, code):
+    """Elements ``at`` (where ``mask``) of the tensor at address ``src``, dtype ``code`` (``_CODES``), as fp32; else 0."""
+    if code == 0:
+        value = tl.load(src.to(tl.pointer_type(tl.float32)) + at, mask=mask, other=0.0)
+    elif code == 1:
+        value = _bf16_to_f32(tl.load(src.to(tl.pointer_type(tl.bfloat16)) + at, mask=mask, other=0))
+    else:
+        value = tl.load(src.to(tl.pointer_type(tl.float16)) + at, mask=mask, other=0).to(tl.float32)
+    return value
+
+
+@_jit
 def _pack_kernel(runs_ptr, src_ptrs_ptr, src_codes_ptr, out_ptr, scale, SRC_CODE: tl.constexpr, BLOCK: tl.constexpr):
     """One program writes one pack run (see [Note: run tables]) of at most ``BLOCK`` elements."""
     run = runs_ptr + tl.program_id(0).to(tl.int64) * 5
@@ -122,12 +134,7 @@ def _pack_kernel(runs_ptr, src_ptrs_ptr, src_codes_ptr, out_ptr, scale, SRC_CODE
         code = SRC_CODE
     copied = tl.where(src != 0, valid, 0)  # address 0: a missing tensor, written as zeros
     in_src = offs < copied
-    if code == 0:
-        value = tl.load(src.to(tl.pointer_type(tl.float32)) + src_offset + offs, mask=in_src, other=0.0)
-    elif code == 1:
-        value = _bf16_to_f32(tl.load(src.to(tl.pointer_type(tl.bfloat16)) + src_offset + offs, mask=in_src, other=0))
-    else:
-        value = tl.load(src.to(tl.pointer_type(tl.float16)) + src_offset + offs, mask=in_src, other=0).to(tl.float32)
+    value = _load_f32(src, src_offset + offs, in_src, code)
     if scale != 1.0:
         value = value * scale
     value = tl.where(in_src, value, 0.0)  # the zero padding stays zero whatever the scale

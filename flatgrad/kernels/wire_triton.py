@@ -33,7 +33,7 @@ from ..layout import Layout
 
 from . import _tables
 from .triton_backend import (
-    _CODES, _MIXED, _bf16_to_f32, _from_f32, _jit, _on_device, _pointer_tables, _to_f32, tl, triton,
+    _CODES, _MIXED, _from_f32, _jit, _load_f32, _on_device, _pointer_tables, _to_f32, tl, triton,
 )  # fmt: skip
 from .wire_reference import nblocks, round16, segment_bytes
 
@@ -204,13 +204,7 @@ def _pack_quantize_kernel(
             code = SRC_CODE
         copied = tl.where(src != 0, valid, 0)  # address 0: a missing tensor, zeros
         in_run = mask & (elem >= dst_offset) & (elem < dst_offset + copied)
-        at = src_offset + (elem - dst_offset)
-        if code == 0:
-            value = tl.load(src.to(tl.pointer_type(tl.float32)) + at, mask=in_run, other=0.0)
-        elif code == 1:
-            value = _bf16_to_f32(tl.load(src.to(tl.pointer_type(tl.bfloat16)) + at, mask=in_run, other=0))
-        else:
-            value = tl.load(src.to(tl.pointer_type(tl.float16)) + at, mask=in_run, other=0).to(tl.float32)
+        value = _load_f32(src, src_offset + (elem - dst_offset), in_run, code)
         if scale != 1.0:
             value = value * scale
         x = tl.where(in_run, value, x)
