@@ -339,7 +339,7 @@ class Zero3Reducer:
         shard = buffer.narrow(0, plan.rank * layout.shard_numel, layout.shard_numel)
         comm.reduce_scatter(shard, buffer, group=plan.group, method=self._method)
         if not plan.ds_ids:
-            self.stats.add(self.optimizer.micro_step_id, plan.key, torch.zeros(2, device=shard.device))
+            self.stats.add(self.optimizer.micro_step_id, plan.key, None)  # nothing here, but the bucket was reduced
             return
         outs = self._grad_partitions(plan)
         out_dtype = outs[0].dtype
@@ -442,10 +442,12 @@ class _BackwardStats:
         self.total: torch.Tensor | None = None
         self.keys: list[tuple] | None = None
 
-    def add(self, micro_step: int, key: tuple, stats: torch.Tensor) -> None:
+    def add(self, micro_step: int, key: tuple, stats: torch.Tensor | None) -> None:
+        """Count bucket ``key``'s unpack stats (``None``: it wrote nothing on this rank) into this backward's."""
         if micro_step != self.micro_step or self.keys is None:  # a new backward: only its unpacks count
             self.micro_step, self.total, self.keys = micro_step, None, []
-        self.total = stats.clone() if self.total is None else self.total.add_(stats)
+        if stats is not None:
+            self.total = stats.clone() if self.total is None else self.total.add_(stats)
         self.keys.append(key)
 
 
