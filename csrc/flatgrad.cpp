@@ -285,22 +285,14 @@ void pack_sources(const std::vector<Source>& sources, const std::vector<int64_t>
   char* out_data = static_cast<char*>(out.data_ptr());
 
   at::parallel_for(0, total, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t k = find_run(start, begin), pos = begin; pos < end; ++k) {
-      const int64_t* r = table + k * kWidth;
-      const int64_t run_end = std::min(end, start[k + 1]);
-      const int64_t valid_end = std::min(run_end, start[k] + r[kValid]);
-      if (pos < valid_end && sources[r[kTensorIndex]].data != nullptr) {
-        const Source& s = sources[r[kTensorIndex]];
-        const int64_t src = r[kSrcOffset] + (pos - start[k]);
-        copy_span(s.data + src * s.itemsize, s.dtype, out_data + pos * out_size, out_dtype, valid_end - pos, scaled,
-                  fscale);
-        pos = valid_end;
-      }
-      if (pos < run_end) {  // padding or a missing tensor: all-zero bits are +0.0 in every dtype
-        std::memset(out_data + pos * out_size, 0, (run_end - pos) * out_size);
-        pos = run_end;
-      }
-    }
+    walk_pack_runs(
+        start, table, begin, end, [&](int64_t t) { return sources[t].data != nullptr; },
+        [&](int64_t t, int64_t src, int64_t pos, int64_t n) {
+          const Source& s = sources[t];
+          copy_span(s.data + src * s.itemsize, s.dtype, out_data + pos * out_size, out_dtype, n, scaled, fscale);
+        },
+        // padding or a missing tensor: all-zero bits are +0.0 in every dtype
+        [&](int64_t pos, int64_t n) { std::memset(out_data + pos * out_size, 0, n * out_size); });
   });
 }
 

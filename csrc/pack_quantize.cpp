@@ -155,21 +155,13 @@ void pack_quantize_table_cpu(const at::Tensor& table, const at::Tensor& runs, in
       if (n <= 0) continue;  // never (j < nb); tells gcc that n > 0
       const int64_t p0 = w * s + first, p1 = p0 + n;
       // Gather the block's fp32 pack along the runs.
-      for (int64_t k = find_run(start, p0), pos = p0; pos < p1; ++k) {
-        const int64_t* r = rt + k * kWidth;
-        const int64_t run_end = std::min(p1, start[k + 1]);
-        const int64_t valid_end = std::min(run_end, start[k] + r[kValid]);
-        if (pos < valid_end && sources[r[kTensorIndex]].data != nullptr) {
-          const Source& src = sources[r[kTensorIndex]];
-          const int64_t at = r[kSrcOffset] + (pos - start[k]);
-          load_any(src.data + at * src.itemsize, src.code, x + (pos - p0), valid_end - pos, scaled, fscale);
-          pos = valid_end;
-        }
-        if (pos < run_end) {  // padding or a missing tensor
-          std::fill(x + (pos - p0), x + (run_end - p0), 0.0f);
-          pos = run_end;
-        }
-      }
+      walk_pack_runs(
+          start, rt, p0, p1, [&](int64_t t) { return sources[t].data != nullptr; },
+          [&](int64_t t, int64_t at, int64_t pos, int64_t len) {
+            const Source& src = sources[t];
+            load_any(src.data + at * src.itemsize, src.code, x + (pos - p0), len, scaled, fscale);
+          },
+          [&](int64_t pos, int64_t len) { std::fill(x + (pos - p0), x + (pos - p0 + len), 0.0f); });  // padding, missing
       uint8_t* segment = out + w * seg;
       quantize_x(x, res == nullptr ? nullptr : res + p0, n, kind, segment + first,
                  reinterpret_cast<float*>(segment + wire::round16(s)) + j);

@@ -41,6 +41,28 @@ inline int64_t find_run(const std::vector<int64_t>& start, int64_t pos) {
   return static_cast<int64_t>(it - start.begin()) - 1;
 }
 
+// Walks the pack runs over buffer elements [begin, end) (a pack table, with
+// start as for find_run): data(tensor_index, src_element, pos, n) for the n
+// elements from pos that come from a run's tensor, when has_data(tensor_index)
+// (a missing tensor has none); zeros(pos, n) for padding and missing tensors.
+template <class HasData, class Data, class Zeros>
+inline void walk_pack_runs(const std::vector<int64_t>& start, const int64_t* table, int64_t begin, int64_t end,
+                           HasData&& has_data, Data&& data, Zeros&& zeros) {
+  for (int64_t k = find_run(start, begin), pos = begin; pos < end; ++k) {
+    const int64_t* r = table + k * pack_col::kWidth;
+    const int64_t run_end = std::min(end, start[k + 1]);
+    const int64_t valid_end = std::min(run_end, start[k] + r[pack_col::kValid]);
+    if (pos < valid_end && has_data(r[pack_col::kTensorIndex])) {
+      data(r[pack_col::kTensorIndex], r[pack_col::kSrcOffset] + (pos - start[k]), pos, valid_end - pos);
+      pos = valid_end;
+    }
+    if (pos < run_end) {
+      zeros(pos, run_end - pos);
+      pos = run_end;
+    }
+  }
+}
+
 // Tensor tables: int64 [T, 2] rows (address, dtype code), one per tensor of a
 // call. The CUDA ops build one per call; a PackPlan / UnpackPlan keeps one (see
 // [Note: plans] in flatgrad/kernels/_plan.py). Address 0 means "no source":
