@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable
 
 from ..cli import positive_int as _positive_int
 from ..kernels import DTYPE_NAMES
@@ -110,17 +111,25 @@ def run_from_args(args: argparse.Namespace) -> int:
         if not s.unavailable
     }
     doc = report.json_report(spec, runs, cost, config, memory)
+    return _emit(
+        args, doc, lambda: report.text_report(spec, runs, cost, config, memory),
+        lambda path: report.plot(path, spec, runs, cost),
+    )  # fmt: skip
+
+
+def _emit(args: argparse.Namespace, doc: dict, text: Callable[[], str], plot: Callable[[str], None]) -> int:
+    """Write the report as ``--json`` and ``--plot`` ask: JSON on stdout for ``--json -``, else the text."""
     if args.json == "-":
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(report.text_report(spec, runs, cost, config, memory))
+        sys.stdout.write(text())
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1)
             print(f"wrote {args.json}")
     if args.plot:
-        report.plot(args.plot, spec, runs, cost)
+        plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
 
@@ -152,16 +161,7 @@ def _run_modes(args: argparse.Namespace, cost: CostModel, kwargs: dict) -> int:
         "cost_model": {k: getattr(cost, k) for k in cost.__dataclass_fields__},
         "modes": report.mode_rows(runs, cost),
     }
-    if args.json == "-":
-        json.dump(doc, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(report.modes_text(spec, runs, cost, config))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
-            print(f"wrote {args.json}")
-    if args.plot:
-        report.modes_plot(args.plot, spec, runs, cost)
-        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
-    return 0
+    return _emit(
+        args, doc, lambda: report.modes_text(spec, runs, cost, config),
+        lambda path: report.modes_plot(path, spec, runs, cost),
+    )  # fmt: skip
