@@ -51,7 +51,7 @@ _MODES = ("stock", "flatgrad")
 
 
 def _config(
-    stage: int, dtype: str, world_size: int, bucket: int, gas: int, flatgrad: bool, comm_buffers: int,
+    stage: int, dtype: str, world_size: int, bucket: int, gas: int, flatgrad: bool, comm_buffers: int | None,
     reduction: dict | None = None,
 ) -> dict:  # fmt: skip
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket}
@@ -71,7 +71,7 @@ def _config(
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if flatgrad:
-        cfg["flatgrad"] = {"comm_buffers": comm_buffers, **((reduction or {}) if stage in (1, 2) else {})}
+        cfg["flatgrad"] = {**({"comm_buffers": comm_buffers} if comm_buffers else {}), **((reduction or {}) if stage in (1, 2) else {})}
     return cfg
 
 
@@ -250,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps")
     parser.add_argument("--gas", type=int, default=2, help="gradient accumulation steps")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--comm-buffers", type=int, default=2, help="flatgrad's 'comm_buffers' (ZeRO-1/2)")
+    parser.add_argument(
+        "--comm-buffers", type=int, default=None, help="flatgrad's 'comm_buffers' (ZeRO-1/2; default: as many as stock's IPG buffers)"
+    )
     parser.add_argument("--reduction", default="reduce_scatter", help="flatgrad's 'reduction' (ZeRO-1/2)")
     parser.add_argument("--error-feedback", action="store_true", help="flatgrad's 'error_feedback' (int8/fp8)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")

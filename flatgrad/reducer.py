@@ -24,14 +24,21 @@ buffers (see [Note: comm buffer pool]). Per micro-step:
 4. ``finish()`` launches what is left, waits for everything, and the shards
    are final for this micro-step.
 
-Nothing on this path syncs the host or rebuilds a table. The comm buffers are
-made once; a bucket's shard is made at its first unpack of an accumulation
-window. A non-contiguous gradient is copied to a contiguous one before
+Nothing on this path syncs the host or rebuilds a table. The pool's plan is
+made once and its buffers are taken per micro-step; a bucket's shard is made
+at its first unpack of an accumulation window. A non-contiguous gradient is copied to a contiguous one before
 packing (off the common path).
 
 [Note: comm buffer pool]
-Stock DeepSpeed keeps one or two bucket-sized IPG buffers, not one per bucket;
-so does flatgrad. The buckets of one device and comm dtype share
+Stock DeepSpeed keeps one or two bucket-sized IPG buffers, not one per bucket,
+and only during a backward (``setup_buckets`` to the epilogue); so does
+flatgrad. The pools are taken at the first launch of a micro-step and given
+back by ``finish()``, so between steps, and in ``step()``, a reducer holds no
+comm buffer: the optimizer step's own temporaries (gloo's all_gather staging,
+the optimizer's) reuse that memory. On CUDA the caching allocator serves them
+from its cache, on the stream current at the first launch; ``finish()`` has
+made that stream wait on the side streams and records the buffers on them
+before dropping them. The buckets of one device and comm dtype share
 ``comm_buffers`` buffers (default 2), each as large as the largest of those
 buckets, so a pool too small for a bucket cannot be built. Bucket ``k`` uses
 buffer ``k mod comm_buffers``: launches are in bucket order, so the
@@ -297,8 +304,9 @@ class BucketReducer:
         rank: this rank in ``process_group``.
         world_size: size of ``process_group``.
         kernel_backends: the flatgrad kernel backend each bucket packs and unpacks with.
-        comm_buffer_bytes: bytes held by the comm buffer pools (all the time): comm buffers,
-            and the all_to_all modes' receive or wire buffers.
+        comm_buffer_bytes: bytes of the comm buffer pools (comm buffers, and the all_to_all
+            modes' receive or wire buffers), held from a micro-step's first launch to its
+            ``finish()`` only.
         shard_bytes: bytes of the shards of one accumulation window (held only during one).
         residual_bytes: bytes of the error-feedback residuals (held all the time; 0 without).
     """
@@ -354,11 +362,14 @@ class BucketReducer:
         self.accum_dtype = accum_dtype
         self.collect_stats = bool(collect_stats)
         self._buckets = [self._bucket(i, plan) for i, plan in enumerate(plans)]
-        self._pools = self._allocate_pools(comm_buffers)
+        self._pool_plan = self._plan_pools(comm_buffers)
+        self._pools: dict[tuple, list[torch.Tensor]] | None = None  # taken per micro-step: see [Note: comm buffer pool]
         self.buckets: list[list[nn.Parameter]] = [list(b.params) for b in self._buckets]
         self.layouts: list[Layout] = [b.layout for b in self._buckets]
         self.kernel_backends: list[str] = [getattr(b.kernels, "name", type(b.kernels).__name__) for b in self._buckets]
-        self.comm_buffer_bytes: int = sum(t.numel() * t.element_size() for pool in self._pools.values() for t in pool)
+        self.comm_buffer_bytes: int = sum(
+            count * size * dtype.itemsize for _, count, size, dtype, _ in self._pool_plan
+        )
         self.shard_bytes: int = sum(b.layout.shard_numel for b in self._buckets) * accum_dtype.itemsize
         self.residual_bytes: int = sum(b.residual.numel() * 4 for b in self._buckets if b.residual is not None)
         self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
@@ -487,13 +498,18 @@ class BucketReducer:
         b.reset()
         return b
 
-    def _allocate_pools(self, comm_buffers: int) -> dict[tuple, list[torch.Tensor]]:
-        """Make the comm buffer pools (once) and give every bucket its views. See [Note: comm buffer pool]."""
+    def _plan_pools(self, comm_buffers: int) -> list[tuple[tuple, int, int, torch.dtype, list[_Bucket]]]:
+        """Plan the comm buffer pools once: (key, slots, elements per slot, dtype, member buckets) each.
+
+        See [Note: comm buffer pool]. The buffer -> bucket assignment (and so each
+        bucket's ``previous`` occupant) is fixed here; the memory is taken per
+        micro-step by ``_acquire_pools``.
+        """
         members: dict[tuple[torch.device, torch.dtype | None], list[_Bucket]] = {}
         for b in self._buckets:
             # int8/fp8: the wire is bytes whatever the comm dtype, so their buckets share one pool per device.
             members.setdefault((b.device, None if b.reduction in wire.KINDS else b.comm_dtype), []).append(b)
-        pools = {}
+        plan = []
         for (device, dtype), buckets in members.items():
             count = min(comm_buffers, len(buckets))
             for k, b in enumerate(buckets):
@@ -501,28 +517,56 @@ class BucketReducer:
             if buckets[0].reduction in wire.KINDS:
                 # The fused pack-quantize writes the send wire from the gradients: no comm-dtype
                 # buffer (see [Note: reduction modes]).
-                block = self._reduction[1]
-                nbytes = max(self.world_size * wire.segment_bytes(b.layout.shard_numel, block) for b in buckets)
+                nbytes = max(self.world_size * wire.segment_bytes(b.layout.shard_numel, self._reduction[1]) for b in buckets)
                 for purpose in ("wire_send", "wire_recv"):
-                    pool = pools[(purpose, device, dtype)] = [
-                        torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)
-                    ]
-                    for k, b in enumerate(buckets):
-                        setattr(b, purpose, pool[k % count].narrow(0, 0, b.pack_plan.wire_bytes))
+                    plan.append(((purpose, device, dtype), count, nbytes, torch.uint8, buckets))
                 continue
             size = max(b.layout.numel for b in buckets)
-            pool = pools[(device, dtype)] = [torch.empty(size, dtype=dtype, device=device) for _ in range(count)]
-            for k, b in enumerate(buckets):
-                layout: Layout = b.layout
-                b.input = pool[k % count].narrow(0, 0, layout.numel)
-                b.input_chunks = list(b.input.chunk(self.world_size))
-                # In place: this rank's chunk of the input. World size 1: the whole input.
-                b.output = b.input.narrow(0, self.rank * layout.shard_numel, layout.shard_numel)
+            assert dtype is not None
+            plan.append(((device, dtype), count, size, dtype, buckets))
             if buckets[0].reduction == "exact":  # the all_to_all's receive side: see [Note: reduction modes]
-                recv = pools[("recv", device, dtype)] = [torch.empty(size, dtype=dtype, device=device) for _ in range(count)]
-                for k, b in enumerate(buckets):
-                    b.recv = recv[k % count].narrow(0, 0, b.layout.numel)
-        return pools
+                plan.append((("recv", device, dtype), count, size, dtype, buckets))
+        return plan
+
+    def _acquire_pools(self) -> None:
+        """Take the pools for this micro-step (if not taken yet) and give every bucket its views.
+
+        Called from the first launch of a micro-step, on the stream current there: see
+        [Note: comm buffer pool] for why the pools live for one micro-step only.
+        """
+        if self._pools is not None:
+            return
+        pools: dict[tuple, list[torch.Tensor]] = {}
+        for key, count, size, dtype, buckets in self._pool_plan:
+            device = buckets[0].device
+            pool = pools[key] = [torch.empty(size, dtype=dtype, device=device) for _ in range(count)]
+            purpose = key[0] if isinstance(key[0], str) else "input"
+            for k, b in enumerate(buckets):
+                if purpose in ("wire_send", "wire_recv"):
+                    setattr(b, purpose, pool[k % count].narrow(0, 0, b.pack_plan.wire_bytes))
+                elif purpose == "recv":
+                    b.recv = pool[k % count].narrow(0, 0, b.layout.numel)
+                else:
+                    layout: Layout = b.layout
+                    b.input = pool[k % count].narrow(0, 0, layout.numel)
+                    b.input_chunks = list(b.input.chunk(self.world_size))
+                    # In place: this rank's chunk of the input. World size 1: the whole input.
+                    b.output = b.input.narrow(0, self.rank * layout.shard_numel, layout.shard_numel)
+        self._pools = pools
+
+    def _release_pools(self) -> None:
+        """Give the pools back once every unpack of the micro-step is done (``finish()``)."""
+        if self._pools is None:
+            return
+        for b in self._buckets:
+            b.input = b.input_chunks = b.output = None
+            b.recv = b.wire_send = b.wire_recv = None
+        side = {s for b in self._buckets for s in (b.pack_stream, b.unpack_stream) if s is not None}
+        for pool in self._pools.values():
+            for t in pool:
+                for stream in side:  # the caching allocator reuses them only after the side streams' work
+                    t.record_stream(stream)
+        self._pools = None
 
     # ------------------------------------------------------------------ hot path
 
@@ -574,6 +618,7 @@ class BucketReducer:
     def _launch(self, b: _Bucket) -> None:
         """Pack, drop the grads, start the reduce_scatter (and on CUDA queue the unpack)."""
         grads = self._grads(b)
+        self._acquire_pools()
         if b.pack_stream is None:
             if b.previous is not None and b.previous.in_flight:
                 self._drain(block=True, through=b.previous)  # its comm buffer is this bucket's
@@ -609,7 +654,7 @@ class BucketReducer:
 
     def _pack(self, b: _Bucket, grads: list[torch.Tensor | None]) -> None:
         """Fill what the bucket's collective sends: the comm buffer, or (int8/fp8) the send wire."""
-        if b.wire_send is not None:  # the fused pack-quantize: see [Note: reduction modes]
+        if b.reduction in wire.KINDS:  # the fused pack-quantize: see [Note: reduction modes]
             b.pack_plan(grads, b.wire_send, b.residual, scale=b.pack_scale)
         else:
             b.pack_plan(grads, b.input, scale=b.pack_scale)
@@ -689,6 +734,7 @@ class BucketReducer:
             streams = {b.unpack_stream for b in self._buckets if b.unpack_stream is not None}
             for stream in streams:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
+            self._release_pools()
             for b in self._buckets:
                 b.reset()
             self._next = 0

@@ -447,6 +447,9 @@ def _pool_rank(rank: int, world_size: int) -> list:
         comm_buffers = int(torch.randint(1, 4, (), generator=gen))
         layout = ("flat", "chunked")[case % 2]
         reducer = BucketReducer(buckets, comm_buffers=comm_buffers, layout=layout, register_hooks=False)
+        if reducer._pools is not None:
+            failures.append((case, "a pool is held outside a micro-step"))
+        reducer._acquire_pools()
         pool = reducer._pools[(torch.device("cpu"), torch.float32)]
         largest = max(lay.numel for lay in reducer.layouts)
         if len(pool) != min(comm_buffers, n_buckets) or any(t.numel() != largest for t in pool):
@@ -463,6 +466,9 @@ def _pool_rank(rank: int, world_size: int) -> list:
             expected_previous = reducer._buckets[k - len(pool)] if k >= len(pool) else None
             if b.previous is not expected_previous:
                 failures.append((case, k, "previous occupant"))
+        reducer.finish()  # a micro-step with nothing marked: everything launches, then the pool goes back
+        if reducer._pools is not None or any(b.input is not None or b.output is not None for b in reducer._buckets):
+            failures.append((case, "finish() kept the pool"))
     return failures
 
 
@@ -484,6 +490,7 @@ def _lifetime_rank(rank: int, world_size: int) -> dict:
     except RuntimeError as exc:
         out["before"] = str(exc)
     out["largest_bucket_bytes"] = max(lay.numel for lay in reducer.layouts) * 4
+    out["comm_buffer_bytes"] = reducer.comm_buffer_bytes
     out["pointers"] = []
     with MemoryCensus("cpu") as census:
         census.mark("start")
@@ -497,6 +504,7 @@ def _lifetime_rank(rank: int, world_size: int) -> dict:
         reducer.zero_grad()
         census.mark("after zero_grad")
     out["marks"] = dict(census.marks)
+    out["plan_bytes"] = reducer.plan_bytes()
     try:
         reducer.grad_shards()
     except RuntimeError as exc:
@@ -506,7 +514,7 @@ def _lifetime_rank(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_shards_live_from_the_first_micro_step_until_zero_grad():
+def test_shards_live_from_the_first_micro_step_until_zero_grad_and_the_pool_for_one_micro_step():
     for out in run_ranks(_lifetime_rank, 2, timeout=50):
         marks, shard_bytes = out["marks"], out["shard_bytes"]
         assert shard_bytes > 0
@@ -514,6 +522,11 @@ def test_shards_live_from_the_first_micro_step_until_zero_grad():
         # The second micro-step adds into the same shards: no new shard memory.
         assert out["pointers"][0] == out["pointers"][1]
         assert marks["after micro-step 0"] - marks["start"] >= shard_bytes
+        # The comm buffer pool is given back by finish(): once the shards are gone only the plans' tables
+        # (made at the first unpack) are left, and at most gloo's late-freed scratch, as below.
+        assert out["comm_buffer_bytes"] >= 2 * out["largest_bucket_bytes"]
+        left = marks["after zero_grad"] - marks["start"] - shard_bytes  # less the clones read from the shards
+        assert left <= out["plan_bytes"] + out["largest_bucket_bytes"] // 2, (marks, out["plan_bytes"])
         assert sum(t.numel() * t.element_size() for t in out["shards"]) == shard_bytes
         # zero_grad() frees the shards (the clones read from them stay). gloo's worker threads may
         # free the scratch copies of the last reduce_scatter in between: at most half a bucket at W=2.
@@ -784,6 +797,7 @@ def _quantized_pool_rank(rank: int, world_size: int) -> list:
         seg = max(world_size * wire.segment_bytes(lay.shard_numel, 64) for lay in reducer.layouts)
         if reducer.comm_buffer_bytes != 2 * 2 * seg:  # send and receive wires, 2 pool slots each
             failures.append((reduction, "comm_buffer_bytes", reducer.comm_buffer_bytes, 4 * seg))
+        reducer._acquire_pools()
         if any(b.input is not None for b in reducer._buckets):
             failures.append((reduction, "a comm-dtype buffer was allocated"))
         if any(key[0] not in ("wire_send", "wire_recv") for key in reducer._pools):

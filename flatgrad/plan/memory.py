@@ -11,10 +11,11 @@ the gradient dtype's bytes and ``c`` the comm dtype's.
   (``B g``, one buffer without ``overlap_comm``) and the gradient partition in
   the gradient dtype (``P g / W``); at the step, the fp32 copy of that
   partition (``4 P / W``).
-* flatgrad ZeRO-1/2: between steps the pool of comm buffers (2 of the
-  largest sub-group, about ``B``: ``2 B c``). During a window the fp32
-  partitions (``4 P / W``), which step() reads with no copy, and up to one
-  sub-group of gradients waiting for its pack (``B g``).
+* flatgrad ZeRO-1/2: nothing between steps either. During backward the pool
+  of comm buffers (as many as stock's IPG buffers, of the largest sub-group,
+  about ``B``: ``B c``), up to one sub-group of gradients waiting for its
+  pack (``B g``), and the fp32 partitions (``4 P / W``, filled bucket by
+  bucket), which step() reads with no copy.
 * ZeRO-3, stock and flatgrad: the fp32 gradient partitions (``4 P / W``) and
   the IPG bucket (``B c``) persist; flatgrad packs straight from the
   gradients, which wait for their bucket's pack (up to ``B g`` more at the
@@ -45,7 +46,7 @@ class GradientPathMemory(NamedTuple):
 
 
 def gradient_path_memory(
-    key: str, numel: int, world_size: int, bucket: int, grad_bytes: int, comm_bytes: int, comm_buffers: int = 2
+    key: str, numel: int, world_size: int, bucket: int, grad_bytes: int, comm_bytes: int, comm_buffers: int = 1
 ) -> GradientPathMemory:
     """The gradient-path bytes per rank of the schedule ``key`` (``stock_zero2``, ``flatgrad_zero3``, ...)."""
     p, w, b = float(numel), float(world_size), float(min(bucket, numel))
@@ -53,7 +54,7 @@ def gradient_path_memory(
         return GradientPathMemory(0.0, b * grad_bytes + p * grad_bytes / w + 4 * p / w)
     if key == "flatgrad_zero2":
         pool = comm_buffers * b * comm_bytes
-        return GradientPathMemory(pool, pool + 4 * p / w + b * grad_bytes)
+        return GradientPathMemory(0.0, pool + 4 * p / w + b * grad_bytes)
     if key in ("stock_zero3", "flatgrad_zero3"):
         held = 4 * p / w + b * comm_bytes
         return GradientPathMemory(held, held)

@@ -39,9 +39,10 @@ class FlatgradConfig:
         reduce_scatter: ``auto`` (``reduce_scatter_tensor`` on NCCL, the list form on gloo;
             under ZeRO-3 always the tensor form, the collective stock ZeRO-3 issues, which keeps
             results bitwise equal to stock), ``tensor`` or ``list``.
-        comm_buffers: ZeRO-1/2: how many bucket-sized comm buffers all sub-groups share (2, like
-            stock's double IPG buffer, lets a pack overlap the previous collective; 1 saves one
-            bucket of memory and serialises them).
+        comm_buffers: ZeRO-1/2: how many bucket-sized comm buffers all sub-groups share during a
+            backward; None (the default) takes as many as stock's IPG buffers: 2 with
+            ``zero_optimization.overlap_comm`` (a pack overlaps the previous collective), else 1
+            (they serialise, and one bucket of memory is saved).
         reduction: ZeRO-1/2: ``reduce_scatter`` (the default), ``exact`` (all_to_all of the comm dtype,
             fixed-order fp32 sum in the unpack), ``int8`` or ``fp8`` (blockwise-quantized all_to_all);
             see [Note: reduction modes] in ``flatgrad/reducer.py``. ZeRO-3 refuses the others.
@@ -54,7 +55,7 @@ class FlatgradConfig:
     comm_dtype: str | None = None
     bucket_numel: int | None = None
     reduce_scatter: str = "auto"
-    comm_buffers: int = 2
+    comm_buffers: int | None = None
     reduction: str = "reduce_scatter"
     block: int = 256
     error_feedback: bool = False
@@ -84,7 +85,9 @@ class FlatgradConfig:
             isinstance(cfg.bucket_numel, bool) or not isinstance(cfg.bucket_numel, int) or cfg.bucket_numel < 1
         ):
             raise UnsupportedConfigError(f"'{SECTION}.bucket_numel' must be a positive int, got {cfg.bucket_numel!r}")
-        if isinstance(cfg.comm_buffers, bool) or not isinstance(cfg.comm_buffers, int) or cfg.comm_buffers < 1:
+        if cfg.comm_buffers is not None and (
+            isinstance(cfg.comm_buffers, bool) or not isinstance(cfg.comm_buffers, int) or cfg.comm_buffers < 1
+        ):
             raise UnsupportedConfigError(
                 f"'{SECTION}.comm_buffers' must be an int >= 1, got {cfg.comm_buffers!r}"
             )

@@ -89,10 +89,12 @@ per sub-group cost 12x the one-sub-group step at 400 sub-groups.
 [Note: ZeRO-2 memory]
 Stock frees its IPG buffers and gradient partitions between steps, so
 flatgrad must too. The reducers' comm buffers are a pool of
-``comm_buffers`` (default 2) buffers of the largest sub-group, shared by all
-sub-groups, with the reduce_scatter in place (see [Note: comm buffer pool] in
-``flatgrad/reducer.py``): between steps that is all flatgrad holds, against
-stock's double IPG buffer. The partitions exist from the first
+``comm_buffers`` buffers of the largest sub-group (by default as many as
+stock's IPG buffers: 2 with ``overlap_comm``, else 1), shared by all
+sub-groups, with the reduce_scatter in place, and held from a backward's
+first launch to its end only, as stock's IPG buffers are (see [Note: comm
+buffer pool] in ``flatgrad/reducer.py``): between steps flatgrad holds
+nothing stock does not. The partitions exist from the first
 micro-step of an accumulation window (ZeRO-1: from the boundary, where it
 reduces) until ``step()`` has consumed them: the step wrapper calls the
 reducers' ``zero_grad()``, which drops them. The per-piece views ``step()``
@@ -514,7 +516,7 @@ class Zero2Reduction:
                 backend=cfg.backend,
                 register_hooks=False,
                 method=cfg.reduce_scatter,
-                comm_buffers=cfg.comm_buffers,
+                comm_buffers=cfg.comm_buffers or (2 if o.overlap_comm else 1),
                 collect_stats=True,
                 accum_dtype=o.gradient_accumulation_dtype,
                 reduction=cfg.reduction,
