@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "AllGatherPlan",
     "Averaging",
     "METHODS",
     "all_gather_in_place",
@@ -210,12 +211,11 @@ def reduce_scatter(
 
 
 def gather_batches(numels: Sequence[int], batch_numel: int | None) -> list[list[int]]:
-    """The buffers (by index) of each coalesced all_gather ``all_gather_in_place`` launches.
+    """The buffers (by index) of each coalesced all_gather an ``AllGatherPlan`` launches.
 
     First fit, largest first, into groups of at most ``batch_numel`` elements (a
     buffer larger than that goes alone): few groups, the same on every rank.
-    ``None``: one group. A caller that gathers the same buffers every step can
-    plan this once and pass each group with ``batch_numel=None``.
+    ``None``: one group.
     """
     if batch_numel is None:
         return [list(range(len(numels)))] if len(numels) else []
@@ -234,46 +234,72 @@ def gather_batches(numels: Sequence[int], batch_numel: int | None) -> list[list[
     return batches
 
 
+class AllGatherPlan:
+    """In-place all_gathers of a fixed set of flat buffers: validated and batched once, then launched per call.
+
+    Each buffer is ``W`` equal chunks and this rank's chunk is its input: what a
+    ZeRO step does with every param group's bit16 buffer after the update. The
+    per-buffer ``all_gather_into_tensor`` calls of a batch go out as one
+    coalesced group (``_coalescing_manager``): on NCCL one launch with no
+    copies; on gloo one gloo allgather, which stages its inputs and its output
+    in flat buffers of its own ((1 + 1/W) times the gathered bytes; one call per
+    buffer stages the buffer's bytes). ``batch_numel`` bounds the elements of
+    one coalesced group, and so gloo's staging: buffers are placed first fit,
+    largest first (``gather_batches``), so the groups are few and the same on
+    every rank; a buffer larger than the bound goes alone. ``None``: one group.
+
+    The plan holds views of the buffers (this rank's chunks); ``buffers`` says
+    which tensors it gathers, so a caller can tell when they were replaced.
+    Buffers must be 1-D, of one dtype and device, with numels divisible by ``W``.
+    """
+
+    def __init__(
+        self, buffers: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None, batch_numel: int | None = None
+    ) -> None:
+        world_size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        if batch_numel is not None and (isinstance(batch_numel, bool) or not isinstance(batch_numel, int) or batch_numel < 1):
+            raise ValueError(f"batch_numel must be a positive int or None, got {batch_numel!r}")
+        for k, b in enumerate(buffers):
+            if b.dim() != 1 or b.numel() % world_size:
+                raise ValueError(f"buffers[{k}] must be 1-D with a multiple of {world_size} elements, got {tuple(b.shape)}")
+            if b.dtype != buffers[0].dtype or b.device != buffers[0].device:
+                raise ValueError(
+                    f"buffers[{k}] is {b.dtype} on {b.device}; buffers[0] is {buffers[0].dtype} on {buffers[0].device}"
+                )
+        self.group = group
+        self.buffers: tuple[torch.Tensor, ...] = tuple(buffers)
+        batches = gather_batches([b.numel() for b in buffers], batch_numel) if world_size > 1 else []
+        self._batches = [[(buffers[k], buffers[k].chunk(world_size)[rank]) for k in batch] for batch in batches]
+        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def __len__(self) -> int:
+        """The coalesced groups one call launches."""
+        return len(self._batches)
+
+    def __call__(self) -> int:
+        """Gather every buffer in place; returns the number of coalesced groups launched."""
+        gather, group = self._gather, self.group
+        for batch in self._batches:
+            if len(batch) == 1:
+                gather(batch[0][0], batch[0][1], group=group)
+                continue
+            with dist._coalescing_manager(group=group, async_ops=True) as manager:  # no device: the backend's fast path
+                for out, chunk in batch:
+                    gather(out, chunk, group=group)
+            manager.wait()
+        return len(self._batches)
+
+
 def all_gather_in_place(
     buffers: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None, batch_numel: int | None = None
 ) -> int:
-    """All-gather many flat buffers in place: each is ``W`` equal chunks, and this rank's chunk is its input.
+    """All-gather many flat buffers in place, once: ``AllGatherPlan(buffers, ...)()``.
 
-    This is what a ZeRO step does with every param group's bit16 buffer after the
-    update. The per-buffer ``all_gather_into_tensor`` calls go out as coalesced
-    groups (``_coalescing_manager``): on NCCL one launch with no copies; on gloo
-    one gloo allgather, which stages its inputs and its output in flat buffers of
-    its own ((1 + 1/W) times the gathered bytes; one call per buffer stages the
-    buffer's bytes). ``batch_numel`` bounds the elements of one coalesced group,
-    and so gloo's staging: buffers are placed first fit, largest first, so the
-    groups are few and the same on every rank; a buffer larger than the bound
-    goes alone. ``None``: one group.
-
-    Returns the number of coalesced groups launched. Buffers must be 1-D, of one
-    dtype and device, with numels divisible by ``W``.
+    Returns the number of coalesced groups launched. A caller that gathers the
+    same buffers every step keeps the plan instead.
     """
-    world_size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if world_size == 1 or not buffers:
-        return 0
-    if batch_numel is not None and (isinstance(batch_numel, bool) or not isinstance(batch_numel, int) or batch_numel < 1):
-        raise ValueError(f"batch_numel must be a positive int or None, got {batch_numel!r}")
-    for k, b in enumerate(buffers):
-        if b.dim() != 1 or b.numel() % world_size:
-            raise ValueError(f"buffers[{k}] must be 1-D with a multiple of {world_size} elements, got {tuple(b.shape)}")
-        if b.dtype != buffers[0].dtype or b.device != buffers[0].device:
-            raise ValueError(f"buffers[{k}] is {b.dtype} on {b.device}; buffers[0] is {buffers[0].dtype} on {buffers[0].device}")
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    batches = [[buffers[k] for k in batch] for batch in gather_batches([b.numel() for b in buffers], batch_numel)]
-    for batch in batches:
-        if len(batch) == 1:
-            gather(batch[0], batch[0].chunk(world_size)[rank], group=group)
-            continue
-        with dist._coalescing_manager(group=group, async_ops=True) as manager:  # no device: the backend's fast path
-            for b in batch:
-                gather(b, b.chunk(world_size)[rank], group=group)
-        manager.wait()
-    return len(batches)
+    return AllGatherPlan(buffers, group=group, batch_numel=batch_numel)()
 
 
 def all_to_all(

@@ -200,6 +200,16 @@ def _gather_rank(rank: int, world_size: int) -> list:
                 str(dtype), batch_numel, calls, sum(counter.values()), _greedy_batches(sizes, batch_numel),
                 all(torch.equal(b, e) for b, e in zip(buffers, expected)),
             ))  # fmt: skip
+    # A plan kept across steps gathers what its buffers' own chunks hold at each call.
+    buffers = [torch.zeros(n) for n in sizes]
+    plan = comm.AllGatherPlan(buffers, batch_numel=max(sizes))
+    for step in (1, 2):
+        for k, b in enumerate(buffers):
+            b.chunk(world_size)[rank].fill_(step * 1000 + rank * 10 + k)
+        plan()
+        want = [torch.cat([torch.full((n // world_size,), step * 1000.0 + r * 10 + k) for r in range(world_size)])
+                for k, n in enumerate(sizes)]  # fmt: skip
+        out.append(("plan", step, len(plan), all(torch.equal(b, w) for b, w in zip(buffers, want))))
     return out
 
 
@@ -208,10 +218,14 @@ def _gather_rank(rank: int, world_size: int) -> list:
 def test_all_gather_in_place_gathers_every_buffer_in_place(world_size):
     """One coalesced launch per batch of at most ``batch_numel`` elements (unbounded: one), bitwise as per-buffer calls."""
     for rank, rows in enumerate(run_ranks(_gather_rank, world_size, timeout=80)):
+        plan_rows = [row for row in rows if row[0] == "plan"]
+        rows = [row for row in rows if row[0] != "plan"]
         for dtype, batch_numel, calls, issued, batches, equal in rows:
             assert equal, (rank, dtype, batch_numel)
             assert calls == issued == batches, (rank, dtype, batch_numel, calls, issued, batches)
         assert [row[4] for row in rows[:4]] == [1, rows[1][4], rows[2][4], 9] and rows[2][4] > rows[1][4] > 1
+        assert [row[1] for row in plan_rows] == [1, 2] and all(row[3] for row in plan_rows), plan_rows
+        assert plan_rows[0][2] == rows[2][4]  # the same batches as all_gather_in_place with that bound
     with pytest.raises(RankError, match=r"buffers\[0\] must be 1-D with a multiple of 2"):
         run_ranks(_bad_gather_rank, 2, timeout=60)
     with pytest.raises(RankError, match=r"batch_numel must be a positive int or None, got 0"):

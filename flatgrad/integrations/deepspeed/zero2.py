@@ -77,7 +77,7 @@ bookkeeping. The arithmetic is stock's, so training is unchanged (bitwise on
 2 ranks in fp32, tested). The partitions are released right after the update,
 before the all_gathers, as stock frees its gradients there. The parameter
 all_gathers of all sub-groups of a process group go out as coalesced groups
-(``flatgrad.comm.all_gather_in_place``): on NCCL one group with no copies. gloo
+(a ``flatgrad.comm.AllGatherPlan``, planned once): on NCCL one group with no copies. gloo
 stages a coalesced group in flat buffers of its own, (1 + 1/W) times its
 elements, where stock's all_gather of a param group stages that group's flat:
 one batch for everything raised the fp32 peak by 1.5 B/param at W=2
@@ -541,7 +541,7 @@ class Zero2Reduction:
             for i, layout in enumerate(self.layouts)
         ]
         self.partitions: list[Any] | None = None
-        self._gather_plan: list[tuple[Any, list[int]]] | None = None
+        self._gather_plan: list[tuple[comm.AllGatherPlan, list[int]]] | None = None
         self._stats_stale = False
         self._bit16_viewed = [False] * len(self.layouts)
         self._window_open = False
@@ -713,8 +713,8 @@ class Zero2Reduction:
         o.timers(OPTIMIZER_STEP_TIMER).stop()
 
         o.timers(OPTIMIZER_ALLGATHER_TIMER).start()
-        for pg, batch in self._gathers():  # see [Note: ZeRO-2 step]
-            comm.all_gather_in_place([o.bit16_groups_flat[i] for i in batch], group=pg)
+        for gather in self._gathers():  # see [Note: ZeRO-2 step]
+            gather()
         o.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
         self._update_bit16_views()
         o.timers.log(OPTIMIZER_TIMERS)
@@ -757,8 +757,8 @@ class Zero2Reduction:
                 o._update_model_bit16_weights(i)
                 self._bit16_viewed[i] = True
 
-    def _gathers(self) -> list[tuple[Any, list[int]]]:
-        """The coalesced all_gathers of the step: (process group, sub-groups), planned once.
+    def _gathers(self) -> list[comm.AllGatherPlan]:
+        """The step's all_gathers, one ``AllGatherPlan`` per reducer, planned once (again if a flat was replaced).
 
         NCCL coalesces with no copy: no bound. gloo stages a coalesced group in
         flat buffers of (1 + 1/W) times its elements, where stock's one call per
@@ -766,25 +766,28 @@ class Zero2Reduction:
         flatgrad's staging within stock's largest (and within DeepSpeed's
         ``allgather_bucket_size``). See [Note: ZeRO-2 step].
         """
-        if self._gather_plan is None:
-            o = self.optimizer
-            unsplit, origins = getattr(o, "_flatgrad_origins", (len(self.layouts), list(range(len(self.layouts)))))
-            plan = []
-            for reducer in self.reducers:
-                indices = sorted(i for i, (r, _) in enumerate(self._slot) if r is reducer)
-                flats = [o.bit16_groups_flat[i] for i in indices]
-                batch_numel = None
-                if comm.backend_name(reducer.process_group, flats[0].device) != "nccl":
-                    w = reducer.world_size
-                    origin_numel: dict[int, int] = {}
-                    for i in indices:
-                        origin_numel[origins[i]] = origin_numel.get(origins[i], 0) + self.layouts[i].numel
-                    stock_flat = max(origin_numel.values())
-                    batch_numel = max(1, min(int(o.allgather_bucket_size), stock_flat * w // (w + 1)))
-                for batch in comm.gather_batches([f.numel() for f in flats], batch_numel):
-                    plan.append((reducer.process_group, [indices[k] for k in batch]))
-            self._gather_plan = plan
-        return self._gather_plan
+        o = self.optimizer
+        flats = o.bit16_groups_flat
+        if self._gather_plan is not None and all(
+            flats[i] is f for plan, indices in self._gather_plan for i, f in zip(indices, plan.buffers)
+        ):
+            return [plan for plan, _ in self._gather_plan]
+        _, origins = getattr(o, "_flatgrad_origins", (len(self.layouts), list(range(len(self.layouts)))))
+        plans = []
+        for reducer in self.reducers:
+            indices = sorted(i for i, (r, _) in enumerate(self._slot) if r is reducer)
+            batch_numel = None
+            if comm.backend_name(reducer.process_group, flats[indices[0]].device) != "nccl":
+                w = reducer.world_size
+                origin_numel: dict[int, int] = {}
+                for i in indices:
+                    origin_numel[origins[i]] = origin_numel.get(origins[i], 0) + self.layouts[i].numel
+                stock_flat = max(origin_numel.values())
+                batch_numel = max(1, min(int(o.allgather_bucket_size), stock_flat * w // (w + 1)))
+            plan = comm.AllGatherPlan([flats[i] for i in indices], group=reducer.process_group, batch_numel=batch_numel)
+            plans.append((plan, indices))
+        self._gather_plan = plans
+        return [plan for plan, _ in plans]
 
     def _optimizer_step_all(self) -> None:
         """One ``optimizer.step()`` for every sub-group: sub-groups of equal hyperparameters become one group.
