@@ -41,13 +41,23 @@ anyway, so averaging never costs a pass of its own:
   (exact in fp16) keeps the sum in range, and a post-scale of ``p/W`` in the
   fp32 unpack does the rest.
 * world size 1: nothing (NCCL's AVG is not trusted there, and there is nothing to divide).
+
+[Note: collectives seam]
+The gradient collectives (both reduce_scatter forms and the all_to_all of the
+reduction modes) are issued through a ``Collectives``: ``torch.distributed``'s
+functions by default, looked up at call time. A framework that has its own
+communication layer passes its own: under DeepSpeed they are
+``deepspeed.comm``'s (``reduce_scatter_fn``, ``reduce_scatter``,
+``all_to_all_single``), so DeepSpeed's comms logger and profiler, and anything
+that wraps ``deepspeed.comm``, see flatgrad's collectives as they see stock's.
+Each is still one call to the same ``torch.distributed`` collective.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,7 +65,9 @@ import torch.distributed as dist
 __all__ = [
     "AllGatherPlan",
     "Averaging",
+    "Collectives",
     "METHODS",
+    "TORCH_COLLECTIVES",
     "all_gather_in_place",
     "all_to_all",
     "averaging",
@@ -165,6 +177,32 @@ def averaging(
     return Averaging(dist.ReduceOp.SUM, 1.0, 1.0 / world_size)
 
 
+class Collectives(NamedTuple):
+    """The collective calls flatgrad issues for gradients, so that a framework can route them. See [Note: collectives seam].
+
+    Attributes:
+        reduce_scatter_tensor: ``(output, input, *, op, group, async_op)``: the tensor form.
+        reduce_scatter_list: ``(output, input_list, *, op, group, async_op)``: the list form.
+        all_to_all_single: ``(output, input, *, group, async_op)``: equal chunks.
+    """
+
+    reduce_scatter_tensor: Callable[..., Any]
+    reduce_scatter_list: Callable[..., Any]
+    all_to_all_single: Callable[..., Any]
+
+
+def _torch_reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
+    single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return single(output, input, **kwargs)
+
+
+TORCH_COLLECTIVES = Collectives(
+    reduce_scatter_tensor=_torch_reduce_scatter_tensor,
+    reduce_scatter_list=lambda output, inputs, **kwargs: dist.reduce_scatter(output, inputs, **kwargs),
+    all_to_all_single=lambda output, input, **kwargs: dist.all_to_all_single(output, input, **kwargs),
+)
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -174,14 +212,16 @@ def reduce_scatter(
     async_op: bool = False,
     method: str = "auto",
     input_chunks: Sequence[torch.Tensor] | None = None,
+    collectives: Collectives | None = None,
 ) -> dist.Work | None:
     """Reduce the ``W * S``-element ``input`` over ``group`` and leave this rank's ``S`` elements in ``output``.
 
     One collective call (see [Note: reduce_scatter method] for ``method``). With
     ``async_op`` returns the ``Work`` to wait on. ``input_chunks`` may hold the
     ``W`` views ``input.chunk(W)`` made once by the caller, so that the list form
-    builds nothing per call. World size 1: a copy (none when ``output`` is
-    ``input``), no collective, and ``None`` is returned.
+    builds nothing per call. ``collectives`` issues the call (default
+    ``torch.distributed``; see [Note: collectives seam]). World size 1: a copy
+    (none when ``output`` is ``input``), no collective, and ``None`` is returned.
     """
     world_size = dist.get_world_size(group)
     if input.dim() != 1 or output.dim() != 1:
@@ -198,16 +238,16 @@ def reduce_scatter(
             output.copy_(input)
         return None
     method = resolve_method(method, group, input.device)
+    issue = collectives or TORCH_COLLECTIVES
     if method == "tensor":
-        single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return single(output, input, op=op, group=group, async_op=async_op)
+        return issue.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
     if input_chunks is None:
         input_chunks = list(input.chunk(world_size))
     elif len(input_chunks) != world_size:
         raise ValueError(f"input_chunks has {len(input_chunks)} tensors, expected {world_size}")
     elif not isinstance(input_chunks, list):
         input_chunks = list(input_chunks)
-    return dist.reduce_scatter(output, input_chunks, op=op, group=group, async_op=async_op)
+    return issue.reduce_scatter_list(output, input_chunks, op=op, group=group, async_op=async_op)
 
 
 def gather_batches(numels: Sequence[int], batch_numel: int | None) -> list[list[int]]:
@@ -308,14 +348,16 @@ def all_to_all(
     *,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    collectives: Collectives | None = None,
 ) -> dist.Work | None:
     """Send chunk ``r`` of the 1-D ``input`` to rank ``r``; chunk ``w`` of ``output`` comes from rank ``w``.
 
     One ``all_to_all_single`` with equal chunks (``numel / W`` each); the
     reduction modes ``exact``, ``int8`` and ``fp8`` use it instead of a
     reduce_scatter (see DESIGN.md, "Reduction modes"). gloo refuses float8
-    tensors: pass a ``uint8`` view. World size 1: a copy, no collective, and
-    ``None`` is returned.
+    tensors: pass a ``uint8`` view. ``collectives`` issues the call (see [Note:
+    collectives seam]). World size 1: a copy, no collective, and ``None`` is
+    returned.
     """
     world_size = dist.get_world_size(group)
     if input.dim() != 1 or output.dim() != 1:
@@ -330,4 +372,4 @@ def all_to_all(
     if world_size == 1:
         output.copy_(input)
         return None
-    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    return (collectives or TORCH_COLLECTIVES).all_to_all_single(output, input, group=group, async_op=async_op)

@@ -297,6 +297,8 @@ class BucketReducer:
             [Note: reduction modes]: ``"exact"``, ``"int8"``, ``"fp8"``.
         block: int8/fp8: elements per fp32 scale, a power of two in [32, 4096].
         error_feedback: int8/fp8: carry each rank's quantization error into its next pack.
+        collectives: what issues the collectives (``None``: ``torch.distributed``); see
+            [Note: collectives seam] in ``flatgrad.comm``.
 
     Attributes:
         buckets: the buckets, as lists of params in layout order.
@@ -331,6 +333,7 @@ class BucketReducer:
         reduction: str = "reduce_scatter",
         block: int = 256,
         error_feedback: bool = False,
+        collectives: comm.Collectives | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -345,6 +348,8 @@ class BucketReducer:
         description: list[tuple] = []
         try:
             _check_pool_args(comm_buffers, accum_dtype)
+            if collectives is not None and not isinstance(collectives, comm.Collectives):
+                raise TypeError(f"collectives must be a flatgrad.comm.Collectives or None, got {type(collectives).__name__}")
             self._reduction = _check_reduction(reduction, block, error_feedback)
             if self.world_size == 1:  # nothing is sent: a mode's wire would only add rounding to the copy
                 self._reduction = ("reduce_scatter", self._reduction[1], False)
@@ -361,6 +366,7 @@ class BucketReducer:
             raise local_error
         self.accum_dtype = accum_dtype
         self.collect_stats = bool(collect_stats)
+        self._collectives = collectives
         self._buckets = [self._bucket(i, plan) for i, plan in enumerate(plans)]
         self._pool_plan = self._plan_pools(comm_buffers)
         self._pools: dict[tuple, list[torch.Tensor]] | None = None  # taken per micro-step: see [Note: comm buffer pool]
@@ -665,11 +671,15 @@ class BucketReducer:
             if b.reduction == "reduce_scatter":
                 return comm.reduce_scatter(
                     b.output, b.input, group=self.process_group, op=b.op, async_op=True, method=b.method,
-                    input_chunks=b.input_chunks,
+                    input_chunks=b.input_chunks, collectives=self._collectives,
                 )  # fmt: skip
             if b.reduction == "exact":
-                return comm.all_to_all(b.recv, b.input, group=self.process_group, async_op=True)
-            return comm.all_to_all(b.wire_recv, b.wire_send, group=self.process_group, async_op=True)
+                return comm.all_to_all(
+                    b.recv, b.input, group=self.process_group, async_op=True, collectives=self._collectives
+                )
+            return comm.all_to_all(
+                b.wire_recv, b.wire_send, group=self.process_group, async_op=True, collectives=self._collectives
+            )
         except Exception as exc:
             raise RuntimeError(f"flatgrad: the {b.reduction} of bucket {b.id} failed on rank {self.rank}: {exc}") from exc
 

@@ -345,6 +345,7 @@ def _refusals_rank(rank: int, world_size: int) -> dict:
     for bad in (0, True, 1.5):
         attempt(f"comm_buffers={bad!r}", lambda: BucketReducer([[dense]], comm_buffers=bad))
     attempt("accum_dtype int", lambda: BucketReducer([[dense]], accum_dtype=torch.int32))
+    attempt("collectives", lambda: BucketReducer([[dense]], collectives=torch.distributed))
 
     emb = nn.Embedding(5, 2, sparse=True)
     reducer = BucketReducer([list(emb.parameters())])
@@ -384,6 +385,7 @@ def test_setup_refusals_and_misuse():
         kind, message = out[f"comm_buffers={bad!r}"]
         assert kind == "ValueError" and "comm_buffers" in message and repr(bad) in message
     assert out["accum_dtype int"][0] == "ValueError" and "accum_dtype" in out["accum_dtype int"][1]
+    assert out["collectives"][0] == "TypeError" and "collectives must be a flatgrad.comm.Collectives" in out["collectives"][1]
     assert out["sparse grad"][0] == "ValueError" and "sparse gradient" in out["sparse grad"][1]
     kind, message = out["second hooked reducer"]
     assert kind == "ValueError" and "another BucketReducer" in message and "remove_hooks" in message
@@ -429,6 +431,56 @@ def test_reducer_needs_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         BucketReducer([[nn.Parameter(torch.zeros(2))]])
+
+
+def _seam_rank(rank: int, world_size: int) -> dict:
+    """A reducer issues every collective through the ``Collectives`` it is given, with the same result."""
+    from flatgrad import comm
+
+    out: dict = {}
+    for reduction, method in (("reduce_scatter", "list"), ("reduce_scatter", "tensor"), ("exact", "auto")):
+        shards = []
+        issued: list[str] = []
+        for given in (None, "recording"):
+            collectives = None
+            if given:
+                torch_ = comm.TORCH_COLLECTIVES
+
+                def record(name, fn):
+                    def call(*args, **kwargs):
+                        issued.append(name)
+                        return fn(*args, **kwargs)
+
+                    return call
+
+                collectives = comm.Collectives(*(record(n, f) for n, f in zip(comm.Collectives._fields, torch_)))
+            model = _IntNet()
+            reducer = BucketReducer(
+                build_buckets(model, 24), method=method, reduction=reduction, collectives=collectives
+            )
+            model.loss(rank, 0).backward()
+            reducer.finish()
+            shards.append([gs.shard.clone() for gs in reducer.grad_shards()])
+            reducer.remove_hooks()
+            n_buckets = len(reducer.layouts)
+        out[f"{reduction}/{method}"] = (
+            issued, n_buckets, all(torch.equal(a, b) for a, b in zip(shards[0], shards[1])),
+        )  # fmt: skip
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_collectives_go_through_the_given_seam():
+    expected = {
+        "reduce_scatter/list": "reduce_scatter_list",
+        "reduce_scatter/tensor": "reduce_scatter_tensor",
+        "exact/auto": "all_to_all_single",
+    }
+    for rank, out in enumerate(run_ranks(_seam_rank, 2, timeout=50)):
+        for case, name in expected.items():
+            issued, n_buckets, same = out[case]
+            assert issued == [name] * n_buckets and n_buckets > 1, (rank, case, issued)
+            assert same, (rank, case)
 
 
 # --------------------------------------------------------------------------- memory: pool and shard lifetime

@@ -116,6 +116,7 @@ import torch
 
 from ... import comm
 from ...layout import Layout, split_numels
+from .collectives import deepspeed_collectives
 from .config import FlatgradConfig, UnsupportedConfigError
 
 __all__ = ["Zero2Reduction", "check_supported", "install", "prepare", "split_param_groups"]
@@ -522,6 +523,7 @@ class Zero2Reduction:
                 reduction=cfg.reduction,
                 block=cfg.block,
                 error_feedback=cfg.error_feedback,
+                collectives=deepspeed_collectives(),
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:

@@ -80,6 +80,7 @@ import torch
 from ... import comm
 from ...kernels import UnpackPlan, pack, unpack
 from ...layout import Layout
+from .collectives import deepspeed_collectives
 from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version
 
 __all__ = ["check_supported", "install", "Zero3Reducer"]
@@ -182,6 +183,7 @@ class Zero3Reducer:
         self._accelerator = get_accelerator()
         self._comm_dtype = config.torch_comm_dtype()
         self._method = "tensor" if config.reduce_scatter == "auto" else config.reduce_scatter
+        self._collectives = deepspeed_collectives()
         self._outs: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
         self._unpack_plans: dict[tuple, UnpackPlan] = {}
         self.stats = _BackwardStats()
@@ -337,7 +339,7 @@ class Zero3Reducer:
         if plan.divide_after:
             buffer.div_(layout.world_size)
         shard = buffer.narrow(0, plan.rank * layout.shard_numel, layout.shard_numel)
-        comm.reduce_scatter(shard, buffer, group=plan.group, method=self._method)
+        comm.reduce_scatter(shard, buffer, group=plan.group, method=self._method, collectives=self._collectives)
         if not plan.ds_ids:
             self.stats.add(self.optimizer.micro_step_id, plan.key, None)  # nothing here, but the bucket was reduced
             return
