@@ -615,10 +615,11 @@ class Zero2Reduction:
     def _hand_over(self) -> None:
         o = self.optimizer
         if self.partitions is None:
+            shards = {id(r): [gs.shard for gs in r.grad_shards()] for r in self.reducers}
             self.partitions = []
             for i, plan in enumerate(self._view_plans):
                 reducer, b = self._slot[i]
-                shard = reducer.grad_shards()[b].shard
+                shard = shards[id(reducer)][b]
                 self.partitions.append(self._buffer_group(_partition_views(shard, plan), shard))
         for i, partition in enumerate(self.partitions):
             o.averaged_gradients[i] = partition
