@@ -528,10 +528,10 @@ class BucketReducer:
                     plan.append(((purpose, device, dtype), count, nbytes, torch.uint8, buckets))
                 continue
             size = max(b.layout.numel for b in buckets)
-            assert dtype is not None
-            plan.append(((device, dtype), count, size, dtype, buckets))
+            comm_dtype = buckets[0].comm_dtype  # the key's dtype: not None outside the wire modes
+            plan.append(((device, dtype), count, size, comm_dtype, buckets))
             if buckets[0].reduction == "exact":  # the all_to_all's receive side: see [Note: reduction modes]
-                plan.append((("recv", device, dtype), count, size, dtype, buckets))
+                plan.append((("recv", device, dtype), count, size, comm_dtype, buckets))
         return plan
 
     def _acquire_pools(self) -> None:
