@@ -512,6 +512,28 @@ def test_check_supported_names_every_refused_feature(keys: set, offload_param: s
         assert key in str(info.value), (key, str(info.value))
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_given_as_deepspeeds_enum_is_refused_before_deepspeed_starts(stage: int) -> None:
+    """DeepSpeed's own tests write ``{"device": OffloadDeviceEnum.cpu}``; refused at planning like ``"cpu"``.
+
+    Refused only after the engine was built, ``patch()`` could not hand the config to stock DeepSpeed.
+    """
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    from flatgrad.integrations.deepspeed import zero2, zero3
+    from flatgrad.integrations.deepspeed.config import UnsupportedConfigError
+
+    check = zero3.check_supported if stage == 3 else zero2.check_supported
+    for device in (OffloadDeviceEnum.cpu, OffloadDeviceEnum.nvme):
+        cfg = ds_config(stage)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": device}
+        with pytest.raises(UnsupportedConfigError, match="offload_optimizer"):
+            check(cfg)
+    cfg = ds_config(stage)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": OffloadDeviceEnum.none}
+    check(cfg)
+
+
 def _without_optimizer(rank: int, world_size: int) -> str:
     from flatgrad import deepspeed as flatgrad_ds
 

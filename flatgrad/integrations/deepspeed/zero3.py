@@ -100,8 +100,10 @@ def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 
 
 def _device(offload: Any) -> str:
+    """The offload device named in an ``offload_*`` section: a string, or DeepSpeed's ``OffloadDeviceEnum``."""
     if isinstance(offload, Mapping):
-        return str(offload.get("device", "none") or "none").lower()
+        device = offload.get("device", "none") or "none"
+        return str(getattr(device, "value", device)).lower()
     return "none"
 
 
