@@ -143,6 +143,18 @@ def split_config(config: str | os.PathLike | Mapping[str, Any] | None) -> tuple[
     return ds_config, FlatgradConfig.from_dict(section)
 
 
+def offload_device(section: Any) -> str:
+    """The device an ``offload_*`` config section names, lower case (``"none"`` without one).
+
+    DeepSpeed's own code and tests write it as a string or as ``OffloadDeviceEnum``,
+    whose ``str()`` is not the device name.
+    """
+    if not isinstance(section, Mapping):
+        return "none"
+    device = section.get("device", "none") or "none"
+    return str(getattr(device, "value", device)).lower()
+
+
 def deepspeed_version() -> tuple[int, int, int]:
     """The installed DeepSpeed version as a tuple (raises if DeepSpeed is missing)."""
     try:

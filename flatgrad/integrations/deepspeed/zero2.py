@@ -117,7 +117,7 @@ import torch
 from ... import comm
 from ...layout import Layout, split_numels
 from .collectives import deepspeed_collectives
-from .config import FlatgradConfig, UnsupportedConfigError
+from .config import FlatgradConfig, UnsupportedConfigError, offload_device
 
 __all__ = ["Zero2Reduction", "check_supported", "install", "prepare", "split_param_groups"]
 
@@ -154,8 +154,8 @@ def check_supported(ds_config: Mapping[str, Any]) -> None:
     stage = zero_stage(ds_config)
     if stage not in (1, 2):
         raise UnsupportedConfigError(f"flatgrad's ZeRO-1/2 backend needs 'zero_optimization.stage' 1 or 2, got {stage}")
-    device = _get(ds_config, "zero_optimization.offload_optimizer.device")
-    if device not in (None, "none"):
+    device = offload_device(_get(ds_config, "zero_optimization.offload_optimizer"))
+    if device != "none":
         raise UnsupportedConfigError(
             f"optimizer offload to {device!r} is not supported by flatgrad ('zero_optimization.offload_optimizer.device'); "
             "the offload path reduces and copies per parameter on the host"

@@ -81,7 +81,7 @@ from ... import comm
 from ...kernels import UnpackPlan, pack, unpack
 from ...layout import Layout
 from .collectives import deepspeed_collectives
-from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version
+from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version, offload_device
 
 __all__ = ["check_supported", "install", "Zero3Reducer"]
 
@@ -99,14 +99,6 @@ def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
-def _device(offload: Any) -> str:
-    """The offload device named in an ``offload_*`` section: a string, or DeepSpeed's ``OffloadDeviceEnum``."""
-    if isinstance(offload, Mapping):
-        device = offload.get("device", "none") or "none"
-        return str(getattr(device, "value", device)).lower()
-    return "none"
-
-
 def check_supported(ds_config: Mapping[str, Any]) -> None:
     """Refuse ZeRO-3 configs whose gradient path flatgrad does not replace correctly.
 
@@ -119,7 +111,7 @@ def check_supported(ds_config: Mapping[str, Any]) -> None:
         raise UnsupportedConfigError(f"flatgrad's ZeRO-3 backend needs zero_optimization.stage=3, got {stage!r}")
     refusals = []
     # Parameter offload moves only the parameters' partitions; the gradient path is unchanged, so it is supported.
-    device = _device(zero.get("offload_optimizer"))
+    device = offload_device(zero.get("offload_optimizer"))
     if device in _OFFLOAD_DEVICES:
         kind = "CPU" if device == "cpu" else "NVMe"
         refusals.append(
