@@ -58,18 +58,22 @@ and tensor forms give the same bits in place as out of place (checked in
 
 [Note: shard lifetime]
 The fp32 shards live only while a gradient is being accumulated or waits to
-be consumed. A bucket's shard is allocated when the bucket is first unpacked
-in an accumulation window (that unpack copies, later ones add), and all are
-released by ``zero_grad()``, which the owner calls once the optimizer has
+be consumed. A bucket's shard is allocated when the bucket is first launched
+in an accumulation window (its first unpack copies, later ones add), and all
+are released by ``zero_grad()``, which the owner calls once the optimizer has
 consumed them. Between steps a reducer therefore holds only its comm
-buffers. Allocating per bucket, as its gradients are dropped, rather than one
-arena for all buckets at the first launch, keeps the shards out of the
-activation peak of backward: measured on ZeRO-1 (which reduces in the
-boundary's backward), one arena raised the peak by most of the shards' size
-(``bench/memory.py``). On CUDA the caching allocator serves these from its
-cache after the first step, with no device allocation. ``grad_shards()`` hands
-out the current window's shards; a caller that keeps one keeps its memory
-alive (a shard is dropped, never resized under a view).
+buffers. By default each shard is allocated on its own, as its bucket is
+launched, so that the shards come into being as the gradients they replace
+are dropped. With ``shard_arena`` the first launch of a window allocates one
+arena that all shards are slices of, in the order the caller asks: what an
+optimizer needs to update many buckets' partitions as one tensor, and what
+stock ZeRO-2 does with its own partition buffer (``grads_in_partition``,
+allocated whole at its first bucket). The arena costs memory only in the
+first micro-step of a window, between the first and the last launch
+(measured in ``bench/memory.py``). On CUDA the caching allocator serves
+these from its cache after the first step, with no device allocation.
+``grad_shards()`` hands out the current window's shards; a caller that keeps
+one keeps its memory alive (a shard is dropped, never resized under a view).
 
 [Note: reduction modes]
 ``reduction`` picks what moves a bucket (see DESIGN.md, "Reduction modes"):
@@ -299,6 +303,10 @@ class BucketReducer:
         error_feedback: int8/fp8: carry each rank's quantization error into its next pack.
         collectives: what issues the collectives (``None``: ``torch.distributed``); see
             [Note: collectives seam] in ``flatgrad.comm``.
+        shard_arena: ``None`` (each shard allocated on its own), or one arena position per
+            bucket: the window's shards are then slices of one tensor, bucket ``b`` the
+            ``shard_arena[b]``-th, so that an optimizer can update them as one tensor
+            (see [Note: shard lifetime]).
 
     Attributes:
         buckets: the buckets, as lists of params in layout order.
@@ -334,6 +342,7 @@ class BucketReducer:
         block: int = 256,
         error_feedback: bool = False,
         collectives: comm.Collectives | None = None,
+        shard_arena: Sequence[int] | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -356,6 +365,7 @@ class BucketReducer:
             plans = self._plan(
                 buckets, comm_dtype, layout, align, average, prescale, postscale, backend, method, register_hooks
             )
+            arena_offsets = _arena_offsets(shard_arena, plans)
             description = [plan["description"] for plan in plans]
         except Exception as exc:  # exchanged below so that every rank raises, then re-raised
             local_error = exc
@@ -377,6 +387,8 @@ class BucketReducer:
             count * size * dtype.itemsize for _, count, size, dtype, _ in self._pool_plan
         )
         self.shard_bytes: int = sum(b.layout.shard_numel for b in self._buckets) * accum_dtype.itemsize
+        self._arena_offsets = arena_offsets
+        self._arena: torch.Tensor | None = None
         self.residual_bytes: int = sum(b.residual.numel() * 4 for b in self._buckets if b.residual is not None)
         self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._next = 0  # the first bucket not launched yet this micro-step; see [Note: launch order]
@@ -685,9 +697,16 @@ class BucketReducer:
 
     def _ensure_shard(self, b: _Bucket) -> None:
         """Give ``b`` its shard for this window if it has none; its first unpack then copies. See [Note: shard lifetime]."""
-        if b.shard is None:
+        if b.shard is not None:
+            return
+        if self._arena_offsets is None:
             b.shard = torch.empty(b.layout.shard_numel, dtype=self.accum_dtype, device=b.device)
             b.accumulate = False
+            return
+        self._arena = torch.empty(self.shard_bytes // self.accum_dtype.itemsize, dtype=self.accum_dtype, device=b.device)
+        for bb, offset in zip(self._buckets, self._arena_offsets):
+            bb.shard = self._arena.narrow(0, offset, bb.layout.shard_numel)
+            bb.accumulate = False
 
     def _unpack(self, b: _Bucket) -> None:
         self._ensure_shard(b)
@@ -761,6 +780,7 @@ class BucketReducer:
         for b in self._buckets:
             b.shard = None
             b.stats = None
+        self._arena = None
 
     def grad_shards(self) -> list[GradShard]:
         """Every bucket's shard with its layout, params and pieces (valid after ``finish()``, until ``zero_grad()``)."""
@@ -770,6 +790,11 @@ class BucketReducer:
                 "running (run a backward and finish() first)"
             )
         return [GradShard(b.id, b.shard, b.layout, list(b.params), list(b.pieces)) for b in self._buckets]
+
+    @property
+    def shard_arena(self) -> torch.Tensor | None:
+        """With ``shard_arena``: the one tensor every bucket's shard is a slice of (``None`` outside a window)."""
+        return self._arena
 
     @property
     def stats_available(self) -> bool:
@@ -806,6 +831,24 @@ class BucketReducer:
             for p in b.params:
                 if _hook_owner(p) is self:
                     del _HOOKED[id(p)]
+
+
+def _arena_offsets(order: Sequence[int] | None, plans: list[dict]) -> list[int] | None:
+    """Each bucket's offset in the shard arena: bucket ``b`` is the ``order[b]``-th slice. See [Note: shard lifetime]."""
+    if order is None:
+        return None
+    if isinstance(order, torch.Tensor) or not isinstance(order, Sequence) or sorted(order) != list(range(len(plans))):
+        raise ValueError(
+            f"shard_arena must be a permutation of range({len(plans)}) (one arena position per bucket), got {order!r}"
+        )
+    devices = {plan["device"] for plan in plans}
+    if len(devices) > 1:
+        raise ValueError(f"shard_arena needs every bucket on one device, got {sorted(map(str, devices))}")
+    numels = [0] * len(plans)
+    for b, position in enumerate(order):
+        numels[position] = plans[b]["layout"].shard_numel
+    starts = [sum(numels[:k]) for k in range(len(numels))]
+    return [starts[position] for position in order]
 
 
 def _check_pool_args(comm_buffers: object, accum_dtype: object) -> None:

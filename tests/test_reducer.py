@@ -346,6 +346,9 @@ def _refusals_rank(rank: int, world_size: int) -> dict:
         attempt(f"comm_buffers={bad!r}", lambda: BucketReducer([[dense]], comm_buffers=bad))
     attempt("accum_dtype int", lambda: BucketReducer([[dense]], accum_dtype=torch.int32))
     attempt("collectives", lambda: BucketReducer([[dense]], collectives=torch.distributed))
+    other = nn.Parameter(torch.zeros(5))
+    attempt("shard_arena repeat", lambda: BucketReducer([[dense], [other]], shard_arena=[0, 0]))
+    attempt("shard_arena short", lambda: BucketReducer([[dense], [other]], shard_arena=[0]))
 
     emb = nn.Embedding(5, 2, sparse=True)
     reducer = BucketReducer([list(emb.parameters())])
@@ -386,6 +389,9 @@ def test_setup_refusals_and_misuse():
         assert kind == "ValueError" and "comm_buffers" in message and repr(bad) in message
     assert out["accum_dtype int"][0] == "ValueError" and "accum_dtype" in out["accum_dtype int"][1]
     assert out["collectives"][0] == "TypeError" and "collectives must be a flatgrad.comm.Collectives" in out["collectives"][1]
+    for case in ("shard_arena repeat", "shard_arena short"):
+        kind, message = out[case]
+        assert kind == "ValueError" and "shard_arena must be a permutation of range(2)" in message, out[case]
     assert out["sparse grad"][0] == "ValueError" and "sparse gradient" in out["sparse grad"][1]
     kind, message = out["second hooked reducer"]
     assert kind == "ValueError" and "another BucketReducer" in message and "remove_hooks" in message
@@ -481,6 +487,41 @@ def test_collectives_go_through_the_given_seam():
             issued, n_buckets, same = out[case]
             assert issued == [name] * n_buckets and n_buckets > 1, (rank, case, issued)
             assert same, (rank, case)
+
+
+def _arena_shards_rank(rank: int, world_size: int) -> dict:
+    """With ``shard_arena`` the shards are slices of one tensor in the given order, with the same values."""
+    shards, arenas = [], []
+    for order in (None, "reversed"):
+        model = _IntNet()
+        buckets = build_buckets(model, 24)
+        positions = list(reversed(range(len(buckets)))) if order else None
+        reducer = BucketReducer(buckets, shard_arena=positions)
+        for step in range(2):  # the second micro-step adds into the arena's slices
+            model.loss(rank, step).backward()
+            reducer.finish()
+        got = reducer.grad_shards()
+        shards.append([gs.shard.clone() for gs in got])
+        arena = reducer.shard_arena
+        if arena is not None:
+            starts = [gs.shard.data_ptr() - arena.data_ptr() for gs in got]
+            arenas.append((arena.numel(), [s // arena.element_size() for s in starts], [gs.shard.numel() for gs in got]))
+        reducer.zero_grad()
+        arenas.append(("after zero_grad", reducer.shard_arena is None))
+        reducer.remove_hooks()
+    return {"equal": all(torch.equal(a, b) for a, b in zip(*shards)), "arenas": arenas, "buckets": len(shards[0])}
+
+
+@pytest.mark.timeout(60)
+def test_shard_arena_lays_the_shards_in_one_tensor_in_the_given_order():
+    for rank, out in enumerate(run_ranks(_arena_shards_rank, 2, timeout=50)):
+        assert out["buckets"] > 1 and out["equal"], (rank, out)
+        none_after, (numel, starts, numels), arena_after = out["arenas"]
+        assert none_after == ("after zero_grad", True) and arena_after == ("after zero_grad", True)
+        assert numel == sum(numels)
+        # Reversed order: the last bucket first, each right after the next one.
+        for b in range(len(numels)):
+            assert starts[b] == sum(numels[b + 1 :]), (starts, numels)
 
 
 # --------------------------------------------------------------------------- memory: pool and shard lifetime
