@@ -102,9 +102,13 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
         finally:
             depth[0] -= 1
 
+    from flatgrad import comm
+
+    flatgrad_gather = comm.all_gather_into_tensor_coalesced  # one coalesced launch, issued in one call
     for (module, name), fn in originals.items():
         setattr(module, name, counting(name, fn))
     torch_dist._coalescing_manager = coalesced
+    comm.all_gather_into_tensor_coalesced = counting("all_gather_into_tensor_coalesced", flatgrad_gather)
     out: dict[str, Any] = {}
     try:
         for groups in job["sub_groups"]:
@@ -152,6 +156,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
         torch_dist._coalescing_manager = coalescing
+        comm.all_gather_into_tensor_coalesced = flatgrad_gather
     return out
 
 

@@ -63,7 +63,8 @@ def count_collectives() -> Iterator[collections.Counter]:
     Only outermost calls count (``reduce_scatter_tensor`` calling
     ``reduce_scatter_single`` is one call), and a coalesced group
     (``_coalescing_manager``) is one launch, counted as ``_coalescing_manager``
-    and not by the calls in it. Use inside a rank: the wrappers
+    and not by the calls in it; so is flatgrad's
+    ``comm.all_gather_into_tensor_coalesced``, counted under its name. Use inside a rank: the wrappers
     patch this process's ``torch.distributed`` module and are removed on exit.
     """
     counts: collections.Counter = collections.Counter()
@@ -97,12 +98,17 @@ def count_collectives() -> Iterator[collections.Counter]:
         finally:
             depth[0] -= 1
 
+    from flatgrad import comm
+
+    flatgrad_gather = comm.all_gather_into_tensor_coalesced
     for name, fn in originals.items():
         setattr(dist, name, wrap(name, fn))
     dist._coalescing_manager = coalesced
+    comm.all_gather_into_tensor_coalesced = wrap("all_gather_into_tensor_coalesced", flatgrad_gather)
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
         dist._coalescing_manager = coalescing
+        comm.all_gather_into_tensor_coalesced = flatgrad_gather

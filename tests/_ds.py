@@ -232,7 +232,8 @@ class CollectiveCounter:
     ``torch.distributed`` directly, at ``torch.distributed``. A call through
     ``deepspeed.comm`` that reaches ``torch.distributed`` counts once, under
     the outer name; a coalesced group (``torch.distributed._coalescing_manager``)
-    counts once, as ``_coalescing_manager``. ``calls[name]`` lists
+    counts once, as ``_coalescing_manager``, and flatgrad's coalesced gather
+    (``flatgrad.comm.all_gather_into_tensor_coalesced``) once under its name. ``calls[name]`` lists
     ``(numel, dtype)`` per call.
     """
 
@@ -267,6 +268,11 @@ class CollectiveCounter:
                 setattr(module, name, self._wrap(name, fn))
         self._saved.append((torch_dist, "_coalescing_manager", torch_dist._coalescing_manager))
         torch_dist._coalescing_manager = self._coalesced(torch_dist._coalescing_manager)
+        from flatgrad import comm
+
+        name = "all_gather_into_tensor_coalesced"
+        self._saved.append((comm, name, getattr(comm, name)))
+        setattr(comm, name, self._wrap(name, getattr(comm, name)))
         return self
 
     def _coalesced(self, manager: Callable) -> Callable:

@@ -232,6 +232,45 @@ def test_all_gather_in_place_gathers_every_buffer_in_place(world_size):
         run_ranks(_bad_batch_rank, 2, timeout=60)
 
 
+def _coalesced_gather_rank(rank: int, world_size: int) -> list:
+    """``all_gather_into_tensor_coalesced`` out of place and in place, on the world and on a sub-group of the
+    odd ranks (whose group ranks are not the global ones), against one ``all_gather_into_tensor`` per buffer."""
+    out = []
+    groups = [None]
+    odd = dist.new_group([r for r in range(world_size) if r % 2])  # every rank takes part in new_group
+    if rank % 2:
+        groups.append(odd)
+    for group in groups:
+        w, me = dist.get_world_size(group), dist.get_rank(group)
+        for dtype in (torch.float32, torch.bfloat16):
+            sizes = [1, 7, 3, 12]
+            inputs = [torch.randn(n, generator=torch.Generator().manual_seed(rank * 50 + n)).to(dtype) for n in sizes]
+            expected = []
+            for t in inputs:
+                e = torch.empty(w * t.numel(), dtype=dtype)
+                dist.all_gather_into_tensor(e, t, group=group)
+                expected.append(e)
+            outputs = [torch.full((w * n,), -1.0, dtype=dtype) for n in sizes]
+            comm.all_gather_into_tensor_coalesced(outputs, inputs, group=group)
+            in_place = [torch.zeros(w * n, dtype=dtype) for n in sizes]
+            for buffer, t in zip(in_place, inputs):
+                buffer.view(w, -1)[me].copy_(t)
+            comm.all_gather_into_tensor_coalesced(in_place, [b.view(w, -1)[me] for b in in_place], group=group)
+            out.append((group is None, str(dtype), all(torch.equal(o, e) for o, e in zip(outputs, expected)),
+                        all(torch.equal(o, e) for o, e in zip(in_place, expected))))  # fmt: skip
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_coalesced_all_gather_gives_the_bits_of_one_call_per_buffer(world_size):
+    """[Note: coalesced all_gather]: on gloo the combined point-to-point gather, also on a sub-group."""
+    for rank, rows in enumerate(run_ranks(_coalesced_gather_rank, world_size, timeout=80)):
+        assert len(rows) == (4 if rank % 2 else 2), (rank, rows)
+        for world, dtype, out_of_place, in_place in rows:
+            assert out_of_place and in_place, (rank, world, dtype)
+
+
 def _bad_batch_rank(rank: int, world_size: int) -> None:
     comm.all_gather_in_place([torch.zeros(4)], batch_numel=0)
 

@@ -13,7 +13,9 @@ folded onto the torch op they issue), the elements of its buffer (a
 reduce_scatter's whole input, an all_gather's whole output), its dtype, the
 global ranks of its group, and a reduce's destination. A coalesced group
 (``torch.distributed._coalescing_manager``) is one launch: recorded once, with
-the op and group of the calls in it and the sum of their elements. A call on a one-rank
+the op and group of the calls in it and the sum of their elements; so is
+flatgrad's ``comm.all_gather_into_tensor_coalesced`` (the ZeRO-1/2 step's
+parameter all_gathers), which issues a coalesced group in one call. A call on a one-rank
 group is a call (stock ZeRO-2 issues those for MoE experts when every expert
 group has one rank); it sends no bytes. flatgrad's reduction modes move a
 bucket with ``flatgrad.comm.all_to_all``; the ``all_to_all_single`` it issues
@@ -133,6 +135,9 @@ class CollectiveRecorder:
             fn = getattr(comm, name)
             self._saved.append((comm, name, fn))
             setattr(comm, name, self._relabel(op, fn))
+        fn = comm.all_gather_into_tensor_coalesced
+        self._saved.append((comm, "all_gather_into_tensor_coalesced", fn))
+        comm.all_gather_into_tensor_coalesced = self._wrap("all_gather", fn, outputs_first=True)
         return self
 
     def _wrap_coalescing(self, manager: Callable) -> Callable:
@@ -174,13 +179,14 @@ class CollectiveRecorder:
             ranks = self._groups[id(group)] = tuple(dist.get_process_group_ranks(group))
         return ranks
 
-    def _wrap(self, op: str, fn: Callable) -> Callable:
+    def _wrap(self, op: str, fn: Callable, outputs_first: bool = False) -> Callable:
+        """``outputs_first``: the call's first argument is its list of outputs, the buffer recorded."""
         signature = _signature_with_group(fn)
 
         @functools.wraps(fn)
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:
-                numel, dtype = _buffer(list(args) + list(kwargs.values()))
+                numel, dtype = _buffer([args[0]] if outputs_first else list(args) + list(kwargs.values()))
                 self._pending = [self._label or op, numel, dtype, None, None]
             if self._pending is not None and signature is not None:
                 self._resolve(signature, args, kwargs)
