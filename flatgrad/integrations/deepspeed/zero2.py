@@ -70,21 +70,25 @@ optimizer call per sub-group, so the step's cost grew with their number
 (``bench/step_sweep.py``: 41x the one-sub-group time at 400 before this).
 flatgrad's ``step`` runs the same sequence with the loop merged: the norm and
 overflow from the unpack stats (see [Note: ZeRO-2 step statistics]), one
-combined scale applied to every partition as stock applies it per group, one
-``optimizer.step()`` over sub-groups merged by equal hyperparameters, one
-multi-tensor copy into the bit16 partitions, then stock's all_gather and
-bookkeeping. The arithmetic is stock's, so training is unchanged (bitwise on
-2 ranks in fp32, tested). The partitions are released right after the update,
-before the all_gathers, as stock frees its gradients there. The parameter
-all_gathers of all sub-groups of a process group go out as coalesced groups
-(a ``flatgrad.comm.AllGatherPlan``, planned once): on NCCL one group with no copies. gloo
-stages a coalesced group in flat buffers of its own, (1 + 1/W) times its
-elements, where stock's all_gather of a param group stages that group's flat:
-one batch for everything raised the fp32 peak by 1.5 B/param at W=2
-(``bench/memory.py``). So on gloo a batch holds at most W/(W+1) of stock's
-largest group flat (and at most ``allgather_bucket_size``): two launches per
-step for a one-group model, whatever the number of sub-groups, where one call
-per sub-group cost 12x the one-sub-group step at 400 sub-groups.
+combined scale applied to every gradient as stock applies it per group, one
+``optimizer.step()``, one multi-tensor copy into the bit16 partitions, then
+the all_gathers and stock's bookkeeping. With an elementwise optimizer (Adam,
+AdamW, SGD) under ZeRO-2 the optimizer sees stock's shape: one tensor per run
+of sub-groups of equal settings, over arenas (see [Note: optimizer arenas]
+in ``arenas.py``); otherwise one multi-tensor update over sub-groups merged
+by equal hyperparameters. The arithmetic is stock's, so training is
+unchanged (bitwise on 2 ranks in fp32, tested). The partitions are released
+right after the update, before the all_gathers, as stock frees its gradients
+there. The parameter all_gathers of all sub-groups of a process group go out
+as coalesced groups (a ``flatgrad.comm.AllGatherPlan``, planned once): on
+NCCL one group with no copies; on gloo one combined gather that stages the
+gathered bytes once, as stock's one call per param group stages its group's
+flat (see [Note: coalesced all_gather] in ``flatgrad/comm.py``; gloo's own
+coalesced form staged (1 + 1/W) times the bytes and copied every buffer one
+call at a time). A launch holds at most ``allgather_bucket_size`` elements,
+DeepSpeed's own bound on a gather (its chunked all_gather path), packed first
+fit largest first: with DeepSpeed's default (5e8), one launch per step for
+models up to 500M elements, as stock.
 
 [Note: ZeRO-2 memory]
 Stock frees its IPG buffers and gradient partitions between steps, so
@@ -108,6 +112,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -116,6 +121,7 @@ import torch
 
 from ... import comm
 from ...layout import Layout, split_numels
+from .arenas import ELEMENTWISE, OptimizerArenas, same_settings
 from .collectives import deepspeed_collectives
 from .config import FlatgradConfig, UnsupportedConfigError, offload_device
 
@@ -367,28 +373,6 @@ def _agree_on_setup(group: Any, local_error: Exception | None) -> None:
         raise local_error
 
 
-def _same_setting(a: Any, b: Any) -> bool:
-    """Whether two param-group settings are equal; tensors count as equal only to themselves."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - settings that do not compare are kept apart
-        return False
-
-
-def _same_settings(group: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
-    """Whether two param groups have the same keys and equal values but for ``params``."""
-    if len(group) != len(other):
-        return False
-    for k, v in group.items():
-        if k != "params" and (k not in other or not _same_setting(other[k], v)):
-            return False
-    return True
-
-
 def _view_plan(
     layout: Layout, rank: int, params: Sequence[torch.Tensor]
 ) -> list[tuple[int, int, torch.Size | None]]:
@@ -496,6 +480,9 @@ class Zero2Reduction:
 
         for _, indices in groups.values():
             indices.sort(key=completes)
+        # With an elementwise optimizer the step updates runs of sub-groups as one tensor: the
+        # shards of a reducer are then one arena, in sub-group order. See [Note: optimizer arenas].
+        use_arenas = type(o.optimizer) in ELEMENTWISE and o.partition_gradients
 
         self.reducers: list[Any] = []
         self._group_of: dict[tuple[int, int], int] = {}  # (reducer, bucket) -> sub-group
@@ -524,6 +511,7 @@ class Zero2Reduction:
                 block=cfg.block,
                 error_feedback=cfg.error_feedback,
                 collectives=deepspeed_collectives(),
+                shard_arena=[sorted(indices).index(i) for i in indices] if use_arenas else None,
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:
@@ -546,6 +534,8 @@ class Zero2Reduction:
         self._gather_plan: list[tuple[comm.AllGatherPlan, list[int]]] | None = None
         self._stats_stale = False
         self._bit16_viewed = [False] * len(self.layouts)
+        self._bit16_checks: tuple[list, list] | None = None
+        self._bit16_copy_lists: tuple[list, list] | None = None
         self._window_open = False
         self.reductions = 0
         # MoE sub-groups by expert group, for the norm (stock averages them over that group).
@@ -557,6 +547,10 @@ class Zero2Reduction:
         self._moe_groups = [
             (pg, torch.tensor(indices, dtype=torch.long, device=self.device)) for pg, indices in moe.values()
         ]
+        self.arenas: OptimizerArenas | None = None
+        if use_arenas:
+            self.arenas = OptimizerArenas(o, [sorted(indices) for _, indices in groups.values()])
+        self._bit16_params = [p for group in o.bit16_groups for p in group]
 
     # -- window: the micro-steps whose gradients one step() consumes
 
@@ -635,13 +629,16 @@ class Zero2Reduction:
         if self.partitions is None or any(
             self.optimizer.averaged_gradients.get(i) is not partition for i, partition in enumerate(self.partitions)
         ):
+            if self.arenas is not None:
+                self.arenas.unshare()
             result = self._stock_step(closure)
             self.release()
             return result
         try:
             self._step()
         finally:
-            self.release()
+            if self.partitions is not None:  # _step releases them before its all_gathers, unless it stopped early
+                self.release()
         return None
 
     def _step(self) -> None:
@@ -688,30 +685,29 @@ class Zero2Reduction:
             o._global_grad_norm = norm / prev_scale
 
         o.timers(OPTIMIZER_GRADIENTS_TIMER).start()
-        grads = []
-        for i in range(len(o.bit16_groups)):
-            o.free_grad_in_param_list(o.params_not_in_partition[i])
-            grad = o._get_preflattened_grad_partition(i).to(o.single_partition_of_fp32_groups[i].dtype)
-            if grad.numel() != o.partition_size[i]:
-                raise RuntimeError(f"flatgrad: sub-group {i}'s partition has {grad.numel()} elements, not {o.partition_size[i]}")
-            o.single_partition_of_fp32_groups[i].grad = grad
-            o.free_grad_in_param_list(o.params_in_partition[i])
-            o._release_preflattened_grad_buffers(i)
-            o.averaged_gradients[i] = None
-            o.all_grad_tensors[i] = None
-            grads.append(grad)
+        arenas = self.arenas if self.arenas is not None and self.arenas.usable() else None
+        arena_grads = self._arena_grads() if arenas is not None else None
+        grads = arena_grads if arena_grads is not None else self._sub_group_grads()
         self._unscale_and_clip(grads, norm)
         o.timers(OPTIMIZER_GRADIENTS_TIMER).stop()
 
         o.timers(OPTIMIZER_STEP_TIMER).start()
-        self._optimizer_step_all()
-        del grads
-        bit16, fp32 = [], []
-        for i, (reducer, _) in enumerate(self._slot):
-            o.single_partition_of_fp32_groups[i].grad = None
-            bit16.append(o.parallel_partitioned_bit16_groups[i][reducer.rank].data)
-            fp32.append(o.single_partition_of_fp32_groups[i].data)
-        torch._foreach_copy_(bit16, fp32)
+        stepped = arena_grads is not None and arenas.step(arena_grads)
+        if not stepped:
+            if self.arenas is not None:  # a step past the arenas counts scalars per sub-group: [Note: optimizer arenas]
+                self.arenas.unshare()
+            if arena_grads is not None:
+                for k, order in enumerate(arenas.orders):
+                    for i, start, stop in zip(order, arenas.offsets[k], arenas.offsets[k][1:]):
+                        o.single_partition_of_fp32_groups[i].grad = arena_grads[k].narrow(0, start, stop - start)
+            self._optimizer_step_all()
+        o._lazy_init_hp_params_optimizer_state()
+        del grads, arena_grads  # the partitions go with self.release() below, as stock frees its gradients there
+        if not stepped:  # the arenas set no sub-group's .grad
+            for part in o.single_partition_of_fp32_groups:
+                part.grad = None
+        with torch.no_grad():
+            torch._foreach_copy_(*self._bit16_copies())
         self.release()  # the partitions are consumed: free them before the all_gather, as stock frees its grads
         o.timers(OPTIMIZER_STEP_TIMER).stop()
 
@@ -721,6 +717,47 @@ class Zero2Reduction:
         o.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
         self._update_bit16_views()
         o.timers.log(OPTIMIZER_TIMERS)
+
+    def _sub_group_grads(self) -> list[torch.Tensor]:
+        """Stock's per-group gradient hand-over: each sub-group's partition in fp32 as its master's ``.grad``."""
+        o = self.optimizer
+        grads = []
+        for i in range(len(o.bit16_groups)):
+            o.free_grad_in_param_list(o.params_not_in_partition[i])
+            grad = o._get_preflattened_grad_partition(i).to(o.single_partition_of_fp32_groups[i].dtype)
+            if grad.numel() != o.partition_size[i]:
+                raise RuntimeError(
+                    f"flatgrad: sub-group {i}'s partition has {grad.numel()} elements, not {o.partition_size[i]}"
+                )
+            o.single_partition_of_fp32_groups[i].grad = grad
+            o.free_grad_in_param_list(o.params_in_partition[i])
+            o._release_preflattened_grad_buffers(i)
+            o.averaged_gradients[i] = None
+            o.all_grad_tensors[i] = None
+            grads.append(grad)
+        return grads
+
+    def _arena_grads(self) -> list[torch.Tensor] | None:
+        """The hand-over for the arenas: each reducer's gradient arena in fp32, one cast for all its sub-groups.
+
+        ``None`` when a reducer holds no arena (the partitions were not its shards).
+        See [Note: optimizer arenas].
+        """
+        o = self.optimizer
+        arenas = [r.shard_arena for r in self.reducers]
+        if any(a is None for a in arenas):
+            return None
+        grads = []
+        for arena, master in zip(arenas, self.arenas.masters):
+            if arena.numel() != master.numel():
+                raise RuntimeError(f"flatgrad: a gradient arena has {arena.numel()} elements, its master {master.numel()}")
+            grads.append(arena.to(master.dtype))
+        o.free_grad_in_param_list(self._bit16_params)
+        o._release_preflattened_grad_buffers()
+        for i in range(len(self.layouts)):
+            o.averaged_gradients[i] = None
+            o.all_grad_tensors[i] = None
+        return grads
 
     def _unscale_and_clip(self, grads: list[torch.Tensor], norm: Any) -> None:
         """Stock's ``unscale_and_clip_grads`` with one multi-tensor multiply: the same scale, the same products.
@@ -752,22 +789,39 @@ class Zero2Reduction:
         last param moved (a checkpoint load, a user's ``p.data = ...``).
         """
         o = self.optimizer
+        checked = self._bit16_checks
+        if (checked is not None and len(checked[0]) == len(o.bit16_groups_flat)
+                and all(map(operator.is_, o.bit16_groups_flat, checked[0]))
+                and all(p.data_ptr() == ptr for p, ptr in checked[1])):  # fmt: skip
+            return  # the common case, checked at C speed: no flat replaced, no param moved
+        ends = []
         for i, flat in enumerate(o.bit16_groups_flat):
             params, offsets = o.round_robin_bit16_groups[i], o.round_robin_bit16_offsets[i]
-            ends = (params[0], offsets[0]), (params[-1], offsets[-1])
             base, size = flat.data_ptr(), flat.element_size()
-            if any(p.data_ptr() != base + offset * size for p, offset in ends) or not self._bit16_viewed[i]:
+            pairs = [(params[0], base + offsets[0] * size), (params[-1], base + offsets[-1] * size)]
+            if any(p.data_ptr() != ptr for p, ptr in pairs) or not self._bit16_viewed[i]:
                 o._update_model_bit16_weights(i)
                 self._bit16_viewed[i] = True
+            ends += pairs
+        self._bit16_checks = (list(o.bit16_groups_flat), ends)
+
+    def _bit16_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's bit16 partition of every sub-group and its fp32 master, listed once (again if a flat moved)."""
+        o = self.optimizer
+        cached = self._bit16_copy_lists
+        flats = o.bit16_groups_flat
+        if cached is None or len(cached[0]) != len(flats) or not all(map(operator.is_, flats, cached[0])):
+            bit16 = [o.parallel_partitioned_bit16_groups[i][reducer.rank] for i, (reducer, _) in enumerate(self._slot)]
+            cached = self._bit16_copy_lists = (list(flats), bit16)
+        return cached[1], o.single_partition_of_fp32_groups
 
     def _gathers(self) -> list[comm.AllGatherPlan]:
         """The step's all_gathers, one ``AllGatherPlan`` per reducer, planned once (again if a flat was replaced).
 
-        NCCL coalesces with no copy: no bound. gloo stages a coalesced group in
-        flat buffers of (1 + 1/W) times its elements, where stock's one call per
-        param group stages the group's flat (W partitions); the bound keeps
-        flatgrad's staging within stock's largest (and within DeepSpeed's
-        ``allgather_bucket_size``). See [Note: ZeRO-2 step].
+        NCCL coalesces with no copy: no bound. gloo stages the elements of a
+        launch once, so a launch holds at most DeepSpeed's
+        ``allgather_bucket_size`` elements, the bound DeepSpeed's own chunked
+        all_gather keeps. See [Note: ZeRO-2 step].
         """
         o = self.optimizer
         flats = o.bit16_groups_flat
@@ -775,18 +829,12 @@ class Zero2Reduction:
             flats[i] is f for plan, indices in self._gather_plan for i, f in zip(indices, plan.buffers)
         ):
             return [plan for plan, _ in self._gather_plan]
-        _, origins = getattr(o, "_flatgrad_origins", (len(self.layouts), list(range(len(self.layouts)))))
         plans = []
         for reducer in self.reducers:
             indices = sorted(i for i, (r, _) in enumerate(self._slot) if r is reducer)
             batch_numel = None
             if comm.backend_name(reducer.process_group, flats[indices[0]].device) != "nccl":
-                w = reducer.world_size
-                origin_numel: dict[int, int] = {}
-                for i in indices:
-                    origin_numel[origins[i]] = origin_numel.get(origins[i], 0) + self.layouts[i].numel
-                stock_flat = max(origin_numel.values())
-                batch_numel = max(1, min(int(o.allgather_bucket_size), stock_flat * w // (w + 1)))
+                batch_numel = max(1, int(o.allgather_bucket_size))
             plan = comm.AllGatherPlan([flats[i] for i in indices], group=reducer.process_group, batch_numel=batch_numel)
             plans.append((plan, indices))
         self._gather_plan = plans
@@ -815,10 +863,10 @@ class Zero2Reduction:
         members: list[list[dict]] = []
         last = -1  # the merged group the previous sub-group joined: sub-groups of one param group come in a row
         for group in groups:
-            if last >= 0 and _same_settings(group, members[last][-1]):
+            if last >= 0 and same_settings(group, members[last][-1]):
                 k = last
             else:
-                k = next((j for j, candidate in enumerate(merged) if _same_settings(group, candidate)), -1)
+                k = next((j for j, candidate in enumerate(merged) if same_settings(group, candidate)), -1)
             if k < 0:
                 merged.append({**{key: v for key, v in group.items() if key != "params"}, "params": []})
                 members.append([])
@@ -840,7 +888,6 @@ class Zero2Reduction:
                 for k, v in group.items():
                     if k != "params":
                         sub[k] = v
-        o._lazy_init_hp_params_optimizer_state()
 
     def release(self) -> None:
         """Drop this window's fp32 partitions (step() has consumed them, or skipped the step)."""
@@ -920,6 +967,8 @@ class Zero2Reduction:
             for key, value in saved[j].items():
                 if key != "params":
                     group[key] = value
+        if self.arenas is not None:
+            self.arenas.invalidate()
 
     def _grad_edited(self, grad: Any) -> None:
         """Wraps ``update_offload_overflow_tracker``, which DeepSpeed's ``safe_set_full_grad`` calls after writing.
@@ -1059,7 +1108,11 @@ class Zero2Reduction:
                     "convert it to a universal checkpoint (deepspeed.checkpoint.ds_to_universal) and load that "
                     "with 'checkpoint.load_universal'"
                 )
-        return self._stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+        try:
+            return self._stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+        finally:
+            if self.arenas is not None:
+                self.arenas.invalidate()
 
     def describe(self) -> str:
         """The take-over line: stage, sub-groups, buckets, reduction method."""
