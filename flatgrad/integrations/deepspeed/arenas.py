@@ -127,6 +127,7 @@ class OptimizerArenas:
         self._params: dict[_Run, torch.Tensor] = {}
         self._states: dict[_Run, dict] = {}
         self._state_dict_seen = o.optimizer.state
+        self._expected: tuple[list, list] | None = None
         self.steps = 0  # steps taken through the arenas (for tests and the demo)
 
     def usable(self) -> bool:
@@ -186,15 +187,12 @@ class OptimizerArenas:
         if opt.state is not self._state_dict_seen:  # load_state_dict replaced it
             self._states.clear()
             self._state_dict_seen = opt.state
+        self._check_masters()
         runs = self.runs()
-        states: list[dict | None] = []
-        for run in runs:
-            run_state = self._states.get(run)
-            if run_state is None:
-                run_state = self._gather(run)
-                if run_state is False:
-                    return False
-            states.append(run_state)
+        verdicts = {run: self._can_gather(run) for run in runs if run not in self._states}
+        if any(verdict is False for verdict in verdicts.values()):
+            return False
+        states = [self._states.get(run) or (self._gather(run) if verdicts[run] else None) for run in runs]
         self._states = {run: s for run, s in zip(runs, states) if s is not None}
         groups = opt.param_groups
         merged = []
@@ -234,6 +232,33 @@ class OptimizerArenas:
 
     # -- internals
 
+    def _check_masters(self) -> None:
+        """Put back any fp32 partition that no longer lies in its arena (replaced, or given other ``.data``).
+
+        DeepSpeed writes the partitions in place (checkpoint loads copy into them);
+        a partition pointed elsewhere would leave the optimizer updating the arena
+        while DeepSpeed reads the partition. One pointer compare per sub-group.
+        """
+        parts = self.optimizer.single_partition_of_fp32_groups
+        if self._expected is not None and all(map(operator.is_, parts, self._expected[0])) and all(
+            p.data_ptr() == ptr for p, ptr in zip(self._expected[0], self._expected[1])
+        ):
+            return
+        moved = False
+        with torch.no_grad():
+            for k, order in enumerate(self.orders):
+                master = self.masters[k]
+                for i, start in zip(order, self.offsets[k]):
+                    part = parts[i]
+                    if part.data_ptr() != master.data_ptr() + start * master.element_size() or part.dim() != 1:
+                        master.narrow(0, start, part.numel()).copy_(part.reshape(-1))
+                        part.set_(master.untyped_storage(), start, (part.numel(),), (1,))
+                        moved = True
+        if moved:
+            self.optimizer._link_all_hp_params()
+            self.optimizer._hp_optimizer_states_linked = False
+        self._expected = (list(parts), [p.data_ptr() for p in parts])
+
     def _param(self, run: _Run) -> torch.Tensor:
         param = self._params.get(run)
         if param is None:
@@ -265,8 +290,9 @@ class OptimizerArenas:
                 own[key] = value.narrow(0, offset, numel) if self._is_slab(value, run) else value
         self.optimizer._hp_optimizer_states_linked = False  # DeepSpeed's fragments: made again after the step
 
-    def _gather(self, run: _Run) -> dict | None | bool:
-        """The run's state from its sub-groups' (``None``: none has any yet; ``False``: they disagree)."""
+    def _can_gather(self, run: _Run) -> bool | None:
+        """Whether the sub-groups' states can make the run's (``None``: none has any yet; ``False``: they
+        disagree: state of some only, other keys, unequal scalars). Changes nothing."""
         state = self.optimizer.optimizer.state
         views = self._views(run)
         owns = [state.get(part) for part, _, _ in views]
@@ -274,16 +300,26 @@ class OptimizerArenas:
             return None
         if not all(owns) or any(set(own) != set(owns[0]) for own in owns):
             return False
+        for key, value in owns[0].items():
+            if not all(isinstance(own[key], torch.Tensor) and own[key].shape == part.shape
+                       for own, (part, _, _) in zip(owns, views)):  # fmt: skip
+                if not all(_equal(own[key], value) for own in owns):
+                    return False
+        return True
+
+    def _gather(self, run: _Run) -> dict:
+        """The run's state from its sub-groups' (``_can_gather`` said yes), which then view it."""
+        state = self.optimizer.optimizer.state
+        views = self._views(run)
+        owns = [state[part] for part, _, _ in views]
         run_state: dict = {}
         slabs = []
         for key, value in owns[0].items():
             if all(isinstance(own[key], torch.Tensor) and own[key].shape == part.shape
                    for own, (part, _, _) in zip(owns, views)):  # fmt: skip
                 slabs.append(key)
-            elif all(_equal(own[key], value) for own in owns):
-                run_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
             else:
-                return False
+                run_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
         for key in slabs:  # one key at a time: the old per-sub-group tensors go as soon as they are linked
             run_state[key] = _contiguous_run([own[key] for own in owns], [offset for _, offset, _ in views])
             if run_state[key] is None:

@@ -101,7 +101,14 @@ buffer pool] in ``flatgrad/reducer.py``): between steps flatgrad holds
 nothing stock does not. The partitions exist from the first
 micro-step of an accumulation window (ZeRO-1: from the boundary, where it
 reduces) until ``step()`` has consumed them: the step wrapper calls the
-reducers' ``zero_grad()``, which drops them. The per-piece views ``step()``
+reducers' ``zero_grad()``, which drops them. Under ZeRO-2 with an elementwise
+optimizer a reducer's partitions are one arena, allocated whole at the
+window's first launch (see [Note: optimizer arenas]), as stock allocates its
+``grads_in_partition`` whole at its first bucket; ZeRO-1 reduces in the
+boundary's backward, while the full gradients are still alive, so there one
+arena would raise the peak by most of its size (1.5 B/param at 2 ranks in
+fp32, ``bench/memory.py``): ZeRO-1 allocates each partition as its bucket
+launches. The per-piece views ``step()``
 and the norm read are rebuilt from a plan made once, per window.
 
 This module holds no kernels (the reducer packs and unpacks); the few collectives of
