@@ -275,7 +275,7 @@ def gather_batches(numels: Sequence[int], batch_numel: int | None) -> list[list[
 
     First fit, largest first, into groups of at most ``batch_numel`` elements (a
     buffer larger than that goes alone): few groups, the same on every rank.
-    ``None``: one group.
+    ``None``: one group. Each group lists its buffers in index order.
     """
     if batch_numel is None:
         return [list(range(len(numels)))] if len(numels) else []
@@ -291,7 +291,7 @@ def gather_batches(numels: Sequence[int], batch_numel: int | None) -> list[list[
         else:
             batches.append([k])
             filled.append(n)
-    return batches
+    return [sorted(batch) for batch in batches]
 
 
 class AllGatherPlan:
@@ -311,6 +311,7 @@ class AllGatherPlan:
     The plan holds views of the buffers (this rank's chunks); ``buffers`` says
     which tensors it gathers, so a caller can tell when they were replaced.
     Buffers must be 1-D, of one dtype and device, with numels divisible by ``W``.
+    A call may take this rank's chunks from elsewhere (``source``).
     """
 
     def __init__(
@@ -336,21 +337,54 @@ class AllGatherPlan:
             for batch in batches
         ]
         self._rank = rank
-        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        # Where each buffer's chunk lies in a ``source`` (buffer order), and per batch its slice of it
+        # when the batch's buffers follow each other there (else the call concatenates them).
+        starts = [0]
+        for b in buffers:
+            starts.append(starts[-1] + b.numel() // world_size)
+        self.source_numel = starts[-1]
+        self._source_pieces = [
+            ([(starts[k], starts[k + 1] - starts[k]) for k in batch],
+             (starts[batch[0]], starts[batch[-1] + 1] - starts[batch[0]]) if batch == list(range(batch[0], batch[-1] + 1)) else None)
+            for batch in batches
+        ]  # fmt: skip
 
     def __len__(self) -> int:
         """The coalesced groups one call launches."""
         return len(self._batches)
 
-    def __call__(self) -> int:
-        """Gather every buffer in place; returns the number of coalesced groups launched."""
-        gather, group, rank = self._gather, self.group, self._rank
-        for outputs, chunks in self._batches:
-            if len(outputs) == 1:
-                gather(outputs[0], chunks[rank][0], group=group)
-            else:
-                all_gather_into_tensor_coalesced(outputs, chunks[rank], group=group, chunks=chunks)
+    def __call__(self, source: torch.Tensor | None = None) -> int:
+        """Gather every buffer in place; returns the number of launches.
+
+        ``source``: this rank's chunks of every buffer, concatenated in buffer order
+        (``source_numel`` elements, the buffers' dtype), written to the buffers by the
+        gather itself; the buffers' own chunks are not read then. A ZeRO step that
+        has its updated partitions in one tensor saves a pass over them on gloo,
+        whose gather copies every chunk anyway. ``None``: the buffers hold them.
+        """
+        group, rank = self.group, self._rank
+        if source is not None and (
+            source.dim() != 1 or source.numel() != self.source_numel or (self.buffers and source.dtype != self.buffers[0].dtype)
+        ):
+            raise ValueError(
+                f"source must be 1-D with {self.source_numel} elements of the buffers' dtype, "
+                f"got {tuple(source.shape)} {source.dtype}"
+            )
+        for (outputs, chunks), (pieces, whole) in zip(self._batches, self._source_pieces):
+            packed = None
+            if source is not None:
+                packed = source.narrow(0, *whole) if whole else torch.cat([source.narrow(0, *p) for p in pieces])
+            all_gather_into_tensor_coalesced(outputs, chunks[rank], group=group, chunks=chunks, packed=packed)
+        if source is not None and not self._batches:  # one rank: nothing to gather, the chunks are the buffers
+            torch._foreach_copy_(list(self.buffers), [source.narrow(0, *p) for p in self._own_pieces()])
         return len(self._batches)
+
+    def _own_pieces(self) -> list[tuple[int, int]]:
+        start, pieces = 0, []
+        for b in self.buffers:
+            pieces.append((start, b.numel()))
+            start += b.numel()
+        return pieces
 
 
 def all_gather_into_tensor_coalesced(
@@ -359,6 +393,7 @@ def all_gather_into_tensor_coalesced(
     *,
     group: dist.ProcessGroup | None = None,
     chunks: Sequence[Sequence[torch.Tensor]] | None = None,
+    packed: torch.Tensor | None = None,
 ) -> None:
     """``all_gather_into_tensor(outputs[k], inputs[k])`` for every ``k`` as one launch, then wait.
 
@@ -366,10 +401,14 @@ def all_gather_into_tensor_coalesced(
     does, once): every ``outputs[k]`` is 1-D, ``W`` times ``inputs[k]``.
     ``chunks[r][k]``, if given, is ``outputs[k]``'s chunk of group rank ``r``
     (a caller that gathers the same buffers every step makes these views once).
+    ``packed``, if given, holds what the inputs would, concatenated, and is read
+    instead of them (they may be stale: with in-place inputs, the gather writes them).
     """
     if backend_name(group, outputs[0].device) == "gloo":
-        _all_gather_point_to_point(outputs, inputs, group, chunks)
+        _all_gather_point_to_point(outputs, inputs, group, chunks, packed)
         return
+    if packed is not None:
+        inputs = packed.split([t.numel() for t in inputs])
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     pg.allgather_into_tensor_coalesced(list(outputs), list(inputs)).wait()
 
@@ -382,13 +421,14 @@ def _all_gather_point_to_point(
     inputs: Sequence[torch.Tensor],
     group: dist.ProcessGroup | None,
     chunks: Sequence[Sequence[torch.Tensor]] | None,
+    packed: torch.Tensor | None,
 ) -> None:
     """gloo: this rank's chunks as one message to every other rank, then one copy per (rank, buffer) chunk."""
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if chunks is None:
         chunks = [[output.view(world_size, -1)[r] for output in outputs] for r in range(world_size)]
     sizes = [t.numel() for t in inputs]
-    mine = torch.cat([t.reshape(-1) for t in inputs])
+    mine = packed if packed is not None else torch.cat(list(inputs))
     n = mine.numel()
     peers = [r for r in range(world_size) if r != rank]
     received = torch.empty(len(peers) * n, dtype=mine.dtype, device=mine.device)
@@ -401,10 +441,14 @@ def _all_gather_point_to_point(
         work.wait()
     targets: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
-    for target, source in zip(chunks[rank], inputs):
-        if target is not source and target.data_ptr() != source.data_ptr():  # not in place: copy this rank's too
-            targets.append(target)
-            sources.append(source.reshape(-1))
+    if packed is not None:
+        targets += chunks[rank]
+        sources += packed.split(sizes)
+    else:
+        for target, source in zip(chunks[rank], inputs):
+            if target is not source and target.data_ptr() != source.data_ptr():  # not in place: copy this rank's too
+                targets.append(target)
+                sources.append(source)
     for j, r in enumerate(peers):
         targets += chunks[r]
         sources += received[j * n : (j + 1) * n].split(sizes)

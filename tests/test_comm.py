@@ -210,6 +210,18 @@ def _gather_rank(rank: int, world_size: int) -> list:
         want = [torch.cat([torch.full((n // world_size,), step * 1000.0 + r * 10 + k) for r in range(world_size)])
                 for k, n in enumerate(sizes)]  # fmt: skip
         out.append(("plan", step, len(plan), all(torch.equal(b, w) for b, w in zip(buffers, want))))
+    # With a source, this rank's chunks come from it (the buffers' own are stale), in buffer order.
+    for b in buffers:
+        b.chunk(world_size)[rank].fill_(-1.0)
+    source = torch.cat([torch.full((n // world_size,), 3000.0 + rank * 10 + k) for k, n in enumerate(sizes)])
+    plan(source)
+    want = [torch.cat([torch.full((n // world_size,), 3000.0 + r * 10 + k) for r in range(world_size)])
+            for k, n in enumerate(sizes)]  # fmt: skip
+    out.append(("plan", 3, len(plan), all(torch.equal(b, w) for b, w in zip(buffers, want))))
+    try:
+        plan(source[1:])
+    except ValueError as exc:
+        out.append(("bad source", str(exc)))
     return out
 
 
@@ -218,13 +230,15 @@ def _gather_rank(rank: int, world_size: int) -> list:
 def test_all_gather_in_place_gathers_every_buffer_in_place(world_size):
     """One coalesced launch per batch of at most ``batch_numel`` elements (unbounded: one), bitwise as per-buffer calls."""
     for rank, rows in enumerate(run_ranks(_gather_rank, world_size, timeout=80)):
+        (bad,) = [row for row in rows if row[0] == "bad source"]
+        assert "source must be 1-D with" in bad[1], bad
         plan_rows = [row for row in rows if row[0] == "plan"]
-        rows = [row for row in rows if row[0] != "plan"]
+        rows = [row for row in rows if row[0] not in ("plan", "bad source")]
         for dtype, batch_numel, calls, issued, batches, equal in rows:
             assert equal, (rank, dtype, batch_numel)
             assert calls == issued == batches, (rank, dtype, batch_numel, calls, issued, batches)
         assert [row[4] for row in rows[:4]] == [1, rows[1][4], rows[2][4], 9] and rows[2][4] > rows[1][4] > 1
-        assert [row[1] for row in plan_rows] == [1, 2] and all(row[3] for row in plan_rows), plan_rows
+        assert [row[1] for row in plan_rows] == [1, 2, 3] and all(row[3] for row in plan_rows), plan_rows
         assert plan_rows[0][2] == rows[2][4]  # the same batches as all_gather_in_place with that bound
     with pytest.raises(RankError, match=r"buffers\[0\] must be 1-D with a multiple of 2"):
         run_ranks(_bad_gather_rank, 2, timeout=60)

@@ -187,7 +187,7 @@ class OptimizerArenas:
         if opt.state is not self._state_dict_seen:  # load_state_dict replaced it
             self._states.clear()
             self._state_dict_seen = opt.state
-        self._check_masters()
+        self.check_masters()
         runs = self.runs()
         verdicts = {run: self._can_gather(run) for run in runs if run not in self._states}
         if any(verdict is False for verdict in verdicts.values()):
@@ -232,7 +232,7 @@ class OptimizerArenas:
 
     # -- internals
 
-    def _check_masters(self) -> None:
+    def check_masters(self) -> None:
         """Put back any fp32 partition that no longer lies in its arena (replaced, or given other ``.data``).
 
         DeepSpeed writes the partitions in place (checkpoint loads copy into them);

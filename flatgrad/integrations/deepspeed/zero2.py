@@ -558,6 +558,14 @@ class Zero2Reduction:
         if use_arenas:
             self.arenas = OptimizerArenas(o, [sorted(indices) for _, indices in groups.values()])
         self._bit16_params = [p for group in o.bit16_groups for p in group]
+        # On gloo the step's gather copies every chunk anyway: it takes this rank's bit16 partitions
+        # straight from the master arena (one cast), instead of a copy per sub-group first.
+        self._gather_from_arenas = self.arenas is not None and all(
+            comm.backend_name(r.process_group, self.device) == "gloo" for r in self.reducers
+        )
+        from deepspeed.runtime.constants import PIPE_REPLICATED
+
+        self._pipe_replicated = any(getattr(p, PIPE_REPLICATED, False) for p in self._bit16_params)
 
     # -- window: the micro-steps whose gradients one step() consumes
 
@@ -713,14 +721,21 @@ class Zero2Reduction:
         if not stepped:  # the arenas set no sub-group's .grad
             for part in o.single_partition_of_fp32_groups:
                 part.grad = None
-        with torch.no_grad():
-            torch._foreach_copy_(*self._bit16_copies())
+        if self._gather_from_arenas:  # the gather writes the bit16 partitions: see [Note: ZeRO-2 step]
+            self.arenas.check_masters()
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_(*self._bit16_copies())
         self.release()  # the partitions are consumed: free them before the all_gather, as stock frees its grads
         o.timers(OPTIMIZER_STEP_TIMER).stop()
 
         o.timers(OPTIMIZER_ALLGATHER_TIMER).start()
-        for gather in self._gathers():  # see [Note: ZeRO-2 step]
-            gather()
+        for k, gather in enumerate(self._gathers()):  # see [Note: ZeRO-2 step]
+            if self._gather_from_arenas:
+                with torch.no_grad():
+                    gather(self.arenas.masters[k].to(o.bit16_groups_flat[self.arenas.orders[k][0]].dtype))
+            else:
+                gather()
         o.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
         self._update_bit16_views()
         o.timers.log(OPTIMIZER_TIMERS)
@@ -991,8 +1006,6 @@ class Zero2Reduction:
     def _stats_usable(self) -> bool:
         """Whether the unpack stats give stock's norm: no model parallelism, no pipe-replicated params, no
         gradient edited through DeepSpeed's API since the unpack."""
-        from deepspeed.runtime.constants import PIPE_REPLICATED
-
         o = self.optimizer
         if self._stats_stale:
             return False
@@ -1000,7 +1013,7 @@ class Zero2Reduction:
             return False
         if not all(r.stats_available for r in self.reducers):
             return False  # a reducer made without collect_stats (every reduction mode's unpack computes them)
-        return not any(getattr(p, PIPE_REPLICATED, False) for g in o.bit16_groups for p in g)
+        return not self._pipe_replicated  # read once at install: pipeline modules mark tied weights when built
 
     def _reduced_stats(self) -> torch.Tensor:
         """Per sub-group squared norm, then the non-finite count, summed over the ranks: one all_reduce.
