@@ -9,8 +9,10 @@ The model: ``--layers`` bias-free ``Linear(width, width)`` layers (400 equal
 params), so that ``reduce_bucket_size`` = P / G gives exactly G sub-groups for
 G in ``--sub-groups``. Per G, on the same ranks, stock DeepSpeed (one param
 group whatever the bucket) and flatgrad train ``--steps`` timed steps after
-``--warmup``; per step, the slowest rank's wall time of ``engine.step()`` at the
-boundary (the optimizer step alone), its training-thread CPU time
+``--warmup``, every engine alive at once and all taking turns step by step (so
+that load and its drift fall on all alike); per step, the slowest rank's wall
+time of ``engine.step()`` at the boundary (the optimizer step alone), its
+training-thread CPU time
 (``time.thread_time``: what the step computes itself, which holds on a loaded
 machine where wall time does not), the wall time of forward + backward + step,
 and the collectives ``step()`` issues (a coalesced group counts once).
@@ -110,7 +112,10 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     torch_dist._coalescing_manager = coalesced
     comm.all_gather_into_tensor_coalesced = counting("all_gather_into_tensor_coalesced", flatgrad_gather)
     out: dict[str, Any] = {}
+    engines: dict[str, Any] = {}
     try:
+        # Every engine is built first, then they take turns step by step: machine load and its drift
+        # fall on all of them alike, so the ratios between sub-group counts hold on a busy machine.
         for groups in job["sub_groups"]:
             bucket = n_params // groups
             for setup in _SETUPS:
@@ -129,30 +134,29 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
                 if setup == "flatgrad":
                     cfg["flatgrad"] = {}
                     initialize = flatgrad_ds.initialize
-                engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
-                step_s, step_cpu_s, total_s, calls = [], [], [], []
-                for k, (x, y) in enumerate(batches):
-                    t0 = time.perf_counter()
-                    loss = engine(x, y)
-                    engine.backward(loss)
-                    counted.clear()
-                    t1, c1 = time.perf_counter(), time.thread_time()
-                    engine.step()
-                    t2, c2 = time.perf_counter(), time.thread_time()
-                    if k >= job["warmup"]:
-                        step_s.append(t2 - t1)
-                        step_cpu_s.append(c2 - c1)
-                        total_s.append(t2 - t0)
-                        calls.append(len(counted))
-                out[f"{setup}/{groups}"] = {
-                    "sub_groups": len(engine.optimizer.bit16_groups),
-                    "step_s": step_s,
-                    "step_cpu_s": step_cpu_s,
-                    "total_s": total_s,
-                    "step_calls": max(calls),
-                }
-                engine.destroy()
+                key = f"{setup}/{groups}"
+                engines[key] = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+                out[key] = {"sub_groups": len(engines[key].optimizer.bit16_groups), "step_s": [], "step_cpu_s": [],
+                            "total_s": [], "calls": []}  # fmt: skip
+        for k, (x, y) in enumerate(batches):
+            for key, engine in engines.items():
+                t0 = time.perf_counter()
+                loss = engine(x, y)
+                engine.backward(loss)
+                counted.clear()
+                t1, c1 = time.perf_counter(), time.thread_time()
+                engine.step()
+                t2, c2 = time.perf_counter(), time.thread_time()
+                if k >= job["warmup"]:
+                    out[key]["step_s"].append(t2 - t1)
+                    out[key]["step_cpu_s"].append(c2 - c1)
+                    out[key]["total_s"].append(t2 - t0)
+                    out[key]["calls"].append(len(counted))
+        for entry in out.values():
+            entry["step_calls"] = max(entry.pop("calls"))
     finally:
+        for engine in engines.values():
+            engine.destroy()
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
         torch_dist._coalescing_manager = coalescing
