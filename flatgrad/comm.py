@@ -82,13 +82,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "all_gather_into_tensor_coalesced",
     "AllGatherPlan",
     "Averaging",
     "Collectives",
     "METHODS",
     "TORCH_COLLECTIVES",
     "all_gather_in_place",
+    "all_gather_into_tensor_coalesced",
     "all_to_all",
     "averaging",
     "avg_supported",
@@ -304,9 +304,9 @@ class AllGatherPlan:
     copies; on gloo one combined gather that stages the batch's bytes once, as
     one ``all_gather_into_tensor`` of a buffer stages that buffer's bytes on
     gloo. ``batch_numel`` bounds the elements of one launch, and so gloo's
-    staging: buffers are placed first fit,
-    largest first (``gather_batches``), so the groups are few and the same on
-    every rank; a buffer larger than the bound goes alone. ``None``: one group.
+    staging: buffers are placed first fit, largest first (``gather_batches``),
+    so the launches are few and the same on every rank; a buffer larger than
+    the bound goes alone. ``None``: one launch.
 
     The plan holds views of the buffers (this rank's chunks); ``buffers`` says
     which tensors it gathers, so a caller can tell when they were replaced.
@@ -350,7 +350,7 @@ class AllGatherPlan:
         ]  # fmt: skip
 
     def __len__(self) -> int:
-        """The coalesced groups one call launches."""
+        """The launches one call makes (one per batch)."""
         return len(self._batches)
 
     def __call__(self, source: torch.Tensor | None = None) -> int:
@@ -380,6 +380,7 @@ class AllGatherPlan:
         return len(self._batches)
 
     def _own_pieces(self) -> list[tuple[int, int]]:
+        """``(offset, numel)`` of every buffer in a ``source`` on one rank (chunk = buffer)."""
         start, pieces = 0, []
         for b in self.buffers:
             pieces.append((start, b.numel()))
