@@ -1,4 +1,4 @@
-"""ZeRO-1/2's optimizer update over arenas: a run of sub-groups is one tensor to the optimizer.
+"""ZeRO-2's optimizer update over arenas: a run of sub-groups is one tensor to the optimizer.
 
 [Note: optimizer arenas]
 flatgrad ZeRO-1/2 splits a param group into bucket-sized sub-groups, so the
@@ -25,7 +25,10 @@ back, with no copy per step:
 
 Only optimizers whose update is elementwise (``ELEMENTWISE``) update the
 concatenation exactly as they update its pieces, so only those take this
-path; others keep the merged multi-tensor step of [Note: ZeRO-2 step]. A
+path; others keep the merged multi-tensor step of [Note: ZeRO-2 step], and
+so does ZeRO-1, whose partitions appear in the boundary's backward (see
+[Note: ZeRO-2 memory]). A partition that DeepSpeed or a user pointed at other
+memory is copied back into its arena at the next step (``check_masters``). A
 checkpoint load replaces or writes the per-sub-group state; the next step
 then gathers it into a fresh run state (one key at a time), as it does when
 the runs change. Any step that does not go through the arenas first gives
