@@ -342,6 +342,7 @@ class AllGatherPlan:
         starts = [0]
         for b in buffers:
             starts.append(starts[-1] + b.numel() // world_size)
+        self._source_starts = starts
         self.source_numel = starts[-1]
         self._source_pieces = [
             ([(starts[k], starts[k + 1] - starts[k]) for k in batch],
@@ -375,17 +376,10 @@ class AllGatherPlan:
             if source is not None:
                 packed = source.narrow(0, *whole) if whole else torch.cat([source.narrow(0, *p) for p in pieces])
             all_gather_into_tensor_coalesced(outputs, chunks[rank], group=group, chunks=chunks, packed=packed)
-        if source is not None and not self._batches:  # one rank: nothing to gather, the chunks are the buffers
-            torch._foreach_copy_(list(self.buffers), [source.narrow(0, *p) for p in self._own_pieces()])
+        if source is not None and not self._batches and self.buffers:  # one rank: the chunks are the buffers
+            sizes = [b - a for a, b in zip(self._source_starts, self._source_starts[1:])]
+            torch._foreach_copy_(list(self.buffers), list(source.split(sizes)))
         return len(self._batches)
-
-    def _own_pieces(self) -> list[tuple[int, int]]:
-        """``(offset, numel)`` of every buffer in a ``source`` on one rank (chunk = buffer)."""
-        start, pieces = 0, []
-        for b in self.buffers:
-            pieces.append((start, b.numel()))
-            start += b.numel()
-        return pieces
 
 
 def all_gather_into_tensor_coalesced(

@@ -163,6 +163,7 @@ it. Every rank takes the same branch, so nothing hangs.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 import threading
 import weakref
@@ -847,7 +848,7 @@ def _arena_offsets(order: Sequence[int] | None, plans: list[dict]) -> list[int] 
     numels = [0] * len(plans)
     for b, position in enumerate(order):
         numels[position] = plans[b]["layout"].shard_numel
-    starts = [sum(numels[:k]) for k in range(len(numels))]
+    starts = [0, *itertools.accumulate(numels)]
     return [starts[position] for position in order]
 
 

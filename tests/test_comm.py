@@ -272,6 +272,15 @@ def _coalesced_gather_rank(rank: int, world_size: int) -> list:
             comm.all_gather_into_tensor_coalesced(in_place, [b.view(w, -1)[me] for b in in_place], group=group)
             out.append((group is None, str(dtype), all(torch.equal(o, e) for o, e in zip(outputs, expected)),
                         all(torch.equal(o, e) for o, e in zip(in_place, expected))))  # fmt: skip
+        # AllGatherPlan with a source on this group (one rank for the odd group of 2: nothing is sent).
+        buffers = [torch.zeros(w * n) for n in (3, 5)]
+        source = torch.arange(8, dtype=torch.float32) + 100 * rank
+        comm.AllGatherPlan(buffers, group=group)(source)
+        gathered = [torch.empty(w * 8) for _ in range(1)]
+        dist.all_gather_into_tensor(gathered[0], source, group=group)
+        per_rank = gathered[0].view(w, 8)
+        want = [torch.cat([per_rank[r, :3] for r in range(w)]), torch.cat([per_rank[r, 3:] for r in range(w)])]
+        out.append(("plan", w, all(torch.equal(b, x) for b, x in zip(buffers, want))))
     return out
 
 
@@ -280,7 +289,10 @@ def _coalesced_gather_rank(rank: int, world_size: int) -> list:
 def test_coalesced_all_gather_gives_the_bits_of_one_call_per_buffer(world_size):
     """[Note: coalesced all_gather]: on gloo the combined point-to-point gather, also on a sub-group."""
     for rank, rows in enumerate(run_ranks(_coalesced_gather_rank, world_size, timeout=80)):
+        plans = [row for row in rows if row[0] == "plan"]
+        rows = [row for row in rows if row[0] != "plan"]
         assert len(rows) == (4 if rank % 2 else 2), (rank, rows)
+        assert len(plans) == (2 if rank % 2 else 1) and all(ok for _, _, ok in plans), (rank, plans)
         for world, dtype, out_of_place, in_place in rows:
             assert out_of_place and in_place, (rank, world, dtype)
 

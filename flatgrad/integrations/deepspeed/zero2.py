@@ -380,6 +380,12 @@ def _agree_on_setup(group: Any, local_error: Exception | None) -> None:
         raise local_error
 
 
+def _arena_positions(indices: Sequence[int]) -> list[int]:
+    """Each bucket's place in its reducer's arenas: sub-group index order, as the master arena's."""
+    rank_of = {i: k for k, i in enumerate(sorted(indices))}
+    return [rank_of[i] for i in indices]
+
+
 def _view_plan(
     layout: Layout, rank: int, params: Sequence[torch.Tensor]
 ) -> list[tuple[int, int, torch.Size | None]]:
@@ -518,7 +524,7 @@ class Zero2Reduction:
                 block=cfg.block,
                 error_feedback=cfg.error_feedback,
                 collectives=deepspeed_collectives(),
-                shard_arena=[sorted(indices).index(i) for i in indices] if use_arenas else None,
+                shard_arena=_arena_positions(indices) if use_arenas else None,
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:
@@ -722,7 +728,8 @@ class Zero2Reduction:
             for part in o.single_partition_of_fp32_groups:
                 part.grad = None
         if self._gather_from_arenas:  # the gather writes the bit16 partitions: see [Note: ZeRO-2 step]
-            self.arenas.check_masters()
+            if not stepped:  # arenas.step() checked them already
+                self.arenas.check_masters()
         else:
             with torch.no_grad():
                 torch._foreach_copy_(*self._bit16_copies())
