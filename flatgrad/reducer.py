@@ -779,8 +779,7 @@ class BucketReducer:
         if self._in_step:
             raise RuntimeError("zero_grad() in the middle of a micro-step: call finish() first")
         for b in self._buckets:
-            b.shard = None
-            b.stats = None
+            b.shard = None  # the stats stay until the next unpack replaces them (8 bytes; no drop per bucket here)
         self._arena = None
 
     def grad_shards(self) -> list[GradShard]:
@@ -810,7 +809,7 @@ class BucketReducer:
         """
         if not self.stats_available:
             raise RuntimeError("shard_stats() needs a reducer made with collect_stats=True")
-        if self._in_step or any(b.stats is None for b in self._buckets):
+        if self._in_step or not all(b.shard is not None and b.accumulate for b in self._buckets):  # unpacked this window
             raise RuntimeError("no shard stats: a bucket was not unpacked since the last zero_grad(), or finish() is due")
         return [b.stats for b in self._buckets]
 

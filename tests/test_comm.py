@@ -297,6 +297,43 @@ def test_coalesced_all_gather_gives_the_bits_of_one_call_per_buffer(world_size):
             assert out_of_place and in_place, (rank, world, dtype)
 
 
+_SCATTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=9),
+    dtype=st.sampled_from(_SCATTER_DTYPES),
+    backend=st.sampled_from(["auto", "torch"]),
+)
+@settings(max_examples=60, deadline=None)
+def test_chunk_scatter_copies_the_bits_into_every_chunk_and_nothing_else(sizes, dtype, backend):
+    """The gloo gather's copy out of a received message: planned kernel (fp32/bf16/fp16, compiled backend) or
+    ``_foreach_copy_`` (other dtypes, the torch backend): every chunk gets its slice bit for bit (NaN payloads,
+    -0.0, infinities), the rows of other ranks stay untouched, and zero-sized chunks are skipped."""
+    import os
+
+    old = os.environ.get("FLATGRAD_BACKEND")
+    if backend == "torch":
+        os.environ["FLATGRAD_BACKEND"] = "torch"
+    try:
+        buffers = [torch.full((3 * n,), 7, dtype=dtype) for n in sizes]
+        chunks = [b.view(3, -1)[1] for b in buffers]
+        bits_dtype, top = (torch.int16, 2**15) if dtype.itemsize == 2 else (torch.int32, 2**31)
+        bits = torch.randint(-top, top - 1, (sum(sizes),), dtype=bits_dtype)
+        flat = bits.view(dtype)  # every bit pattern: NaNs with payloads, -0.0, inf, subnormals
+        comm.chunk_scatter(chunks)(flat)
+        comm.chunk_scatter(chunks)(flat)  # made again: the same
+        for buffer, chunk, piece in zip(buffers, chunks, flat.split(sizes)):
+            assert torch.equal(chunk.view(bits.dtype), piece.view(bits.dtype))
+            rows = buffer.view(3, -1)
+            assert torch.equal(rows[0], torch.full_like(rows[0], 7)) and torch.equal(rows[2], torch.full_like(rows[2], 7))
+    finally:
+        if old is None:
+            os.environ.pop("FLATGRAD_BACKEND", None)
+        else:
+            os.environ["FLATGRAD_BACKEND"] = old
+
+
 def _bad_batch_rank(rank: int, world_size: int) -> None:
     comm.all_gather_in_place([torch.zeros(4)], batch_numel=0)
 

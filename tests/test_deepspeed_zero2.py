@@ -559,6 +559,11 @@ def _arena_rank(rank, world_size):
     opt.param_groups[0]["lr"] = 0.0
     opt.param_groups[0]["weight_decay"] = 0.0
     train(engine, batches[12:14])
+    runs_after_split = len(reduction.arenas.runs())
+    # A scheduler sets every sub-group's lr alike, each its own float object: still one run.
+    for group in opt.param_groups:
+        group["lr"] = float("1e-3")
+        group["weight_decay"] = float(str(opt.param_groups[-1]["weight_decay"]))
     return {
         "stock_losses": stock_losses,
         "stock_params": params_of(stock),
@@ -568,7 +573,8 @@ def _arena_rank(rank, world_size):
         "tensors_per_call": tensors_per_call,
         "shared": shared,
         "arena_steps": reduction.arenas.steps,
-        "runs_after_split": len(reduction.arenas.runs()),
+        "runs_after_split": runs_after_split,
+        "runs_after_scheduler": len(reduction.arenas.runs()),
         "steps_after_split": [float(opt.state[p]["step"]) for p in parts],
         "frozen_unchanged": torch.equal(before[0], parts[0].detach()),
         "others_changed": all(not torch.equal(b, p.detach()) for b, p in zip(before[1:], parts[1:])),
@@ -589,9 +595,37 @@ def test_optimizer_steps_one_tensor_per_run_over_arenas_bitwise_like_stock():
         assert out["losses"] == out["stock_losses"], rank
         for name, value in out["stock_params"].items():
             assert torch.equal(out["params"][name], value), (rank, name)
-        assert out["runs_after_split"] == 2
+        assert out["runs_after_split"] == 2 and out["runs_after_scheduler"] == 1
         assert out["steps_after_split"] == [7.0] * out["sub_groups"], out["steps_after_split"]
         assert out["frozen_unchanged"] and out["others_changed"]
+
+
+_SETTING_VALUES = (1, 1.0, True, 0.5, 0.5000001, (0.9, 0.999), [0.9, 0.999], None, "adam", float("nan"),
+                   torch.tensor(0.5), torch.tensor(0.5), torch.tensor([0.9, 0.999]))  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    first=st.dictionaries(st.sampled_from(["lr", "betas", "eps", "foreach", "name"]), st.sampled_from(_SETTING_VALUES)),
+    edits=st.lists(st.tuples(st.sampled_from(["lr", "betas", "eps", "foreach", "name", "extra"]),
+                             st.one_of(st.none(), st.sampled_from(_SETTING_VALUES))), max_size=3),
+)  # fmt: skip
+def test_run_settings_compare_as_same_settings(first, edits):
+    """The arenas' fast comparison of a sub-group with its run's first (identical objects, or equal plain
+    values in one tuple comparison) decides as ``same_settings``: 1 and 1.0 differ, tensors equal only
+    themselves, a missing or extra key differs, a value that does not compare differs."""
+    from flatgrad.integrations.deepspeed.arenas import _Settings, same_settings
+
+    a = {"params": [torch.zeros(1)], **first}
+    b = {"params": [torch.zeros(1)], **first}
+    for key, value in edits:  # None as the edit: drop the key
+        if value is None:
+            b.pop(key, None)
+        else:
+            b[key] = value
+    assert _Settings(a).equal(b) == same_settings(b, a)
+    c = {key: (float(repr(v)) if type(v) is float and v == v else v) for key, v in b.items()}  # equal, other objects
+    assert _Settings(a).equal(c) == same_settings(c, a)
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -94,6 +94,37 @@ def _equal(a: Any, b: Any) -> bool:
     return _same_setting(a, b)
 
 
+class _Settings:
+    """One param group's settings, compared with others' as ``same_settings`` does, at C speed where it can.
+
+    A step compares every sub-group with its run's first: the common cases (the
+    same objects, split from one group; equal plain values, set alike by a
+    scheduler) are one tuple comparison each.
+    """
+
+    def __init__(self, group: Mapping[str, Any]) -> None:
+        self.group = group
+        keys = [key for key in group if key != "params"]
+        self._get = operator.itemgetter(*keys) if len(keys) > 1 else (lambda g: tuple(g[key] for key in keys))
+        self._values = self._get(group)
+        self._types = tuple(map(type, self._values))
+        self._plain = not any(issubclass(t, torch.Tensor) for t in self._types)  # tensors equal only themselves
+
+    def equal(self, group: Mapping[str, Any]) -> bool:
+        """``same_settings(group, self.group)``."""
+        if len(group) != len(self.group):
+            return False
+        try:
+            values = self._get(group)
+            if all(map(operator.is_, values, self._values)):
+                return True
+            if self._plain and tuple(map(type, values)) == self._types and values == self._values:
+                return True
+        except Exception:  # noqa: BLE001 - a missing key, or values that do not compare: the full rule decides
+            pass
+        return same_settings(group, self.group)
+
+
 class OptimizerArenas:
     """The fp32 master partitions of each order's sub-groups as slices of one tensor, stepped in runs.
 
@@ -159,24 +190,15 @@ class OptimizerArenas:
         groups = self.optimizer.optimizer.param_groups
         runs = []
         for k, order in enumerate(self.orders):
+            ordered = [groups[i] for i in order]
             start = 0
-            first = groups[order[0]]
-            keys = list(first)
+            settings = _Settings(ordered[0])
             for j in range(1, len(order) + 1):
-                if j < len(order):
-                    group = groups[order[j]]
-                    # The common case, without comparing values: the same keys in the same order and the
-                    # same objects but for ``params`` (split from one group, or set alike by a scheduler).
-                    if list(group) == keys:
-                        moved = [key for key, d in zip(keys, map(operator.is_not, group.values(), first.values())) if d]
-                        if moved == ["params"]:
-                            continue
-                    if same_settings(group, first):
-                        continue
+                if j < len(order) and settings.equal(ordered[j]):
+                    continue
                 runs.append((k, start, j))
                 if j < len(order):
-                    start, first = j, groups[order[j]]
-                    keys = list(first)
+                    start, settings = j, _Settings(ordered[j])
         return runs
 
     def step(self, grads: Sequence[torch.Tensor]) -> bool:
@@ -243,9 +265,9 @@ class OptimizerArenas:
         while DeepSpeed reads the partition. One pointer compare per sub-group.
         """
         parts = self.optimizer.single_partition_of_fp32_groups
-        if self._expected is not None and all(map(operator.is_, parts, self._expected[0])) and all(
-            p.data_ptr() == ptr for p, ptr in zip(self._expected[0], self._expected[1])
-        ):
+        if (self._expected is not None and len(parts) == len(self._expected[0])
+                and all(map(operator.is_, parts, self._expected[0]))
+                and list(map(torch.Tensor.data_ptr, parts)) == self._expected[1]):  # fmt: skip
             return
         moved = False
         with torch.no_grad():

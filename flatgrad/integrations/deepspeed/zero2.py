@@ -498,7 +498,7 @@ class Zero2Reduction:
         use_arenas = type(o.optimizer) in ELEMENTWISE and o.partition_gradients
 
         self.reducers: list[Any] = []
-        self._group_of: dict[tuple[int, int], int] = {}  # (reducer, bucket) -> sub-group
+        concat_position: list[int] = [0] * len(self.layouts)  # sub-group -> its row in the reducers' stats, stacked
         self._step_stats: torch.Tensor | None = None
         self.methods: set[str] = set()
         self.device = torch.device(get_accelerator().current_device_name())
@@ -530,7 +530,7 @@ class Zero2Reduction:
                 if reducer.layouts[b] != self.layouts[i]:
                     raise RuntimeError(f"flatgrad: the reducer's layout of sub-group {i} differs from DeepSpeed's")
                 self._slot[i] = (reducer, b)
-                self._group_of[(id(reducer), b)] = i
+                concat_position[i] = sum(len(r.layouts) for r in self.reducers) + b
                 for p in o.round_robin_bit16_groups[i]:
                     self._reducer_of[id(p)] = reducer
             self.reducers.append(reducer)
@@ -539,6 +539,7 @@ class Zero2Reduction:
         # How step()'s per-piece views lie in each sub-group's partition, planned once; the
         # partitions themselves live for one accumulation window. See [Note: ZeRO-2 memory].
         self._buffer_group = GradPartitionBufferGroup
+        self._stats_order = torch.tensor(concat_position, dtype=torch.long, device=self.device)
         self._view_plans = [
             _view_plan(layout, self._slot[i][0].rank, o.round_robin_bit16_groups[i])
             for i, layout in enumerate(self.layouts)
@@ -547,7 +548,7 @@ class Zero2Reduction:
         self._gather_plan: list[tuple[comm.AllGatherPlan, list[int]]] | None = None
         self._stats_stale = False
         self._bit16_viewed = [False] * len(self.layouts)
-        self._bit16_checks: tuple[list, list] | None = None
+        self._bit16_checks: tuple[list, list, list] | None = None
         self._bit16_copy_lists: tuple[list, list] | None = None
         self._window_open = False
         self.reductions = 0
@@ -821,7 +822,7 @@ class Zero2Reduction:
         checked = self._bit16_checks
         if (checked is not None and len(checked[0]) == len(o.bit16_groups_flat)
                 and all(map(operator.is_, o.bit16_groups_flat, checked[0]))
-                and all(p.data_ptr() == ptr for p, ptr in checked[1])):  # fmt: skip
+                and list(map(torch.Tensor.data_ptr, checked[1])) == checked[2]):  # fmt: skip
             return  # the common case, checked at C speed: no flat replaced, no param moved
         ends = []
         for i, flat in enumerate(o.bit16_groups_flat):
@@ -832,7 +833,7 @@ class Zero2Reduction:
                 o._update_model_bit16_weights(i)
                 self._bit16_viewed[i] = True
             ends += pairs
-        self._bit16_checks = (list(o.bit16_groups_flat), ends)
+        self._bit16_checks = (list(o.bit16_groups_flat), [p for p, _ in ends], [ptr for _, ptr in ends])
 
     def _bit16_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's bit16 partition of every sub-group and its fp32 master, listed once (again if a flat moved)."""
@@ -1034,11 +1035,8 @@ class Zero2Reduction:
 
         if self._step_stats is None:
             o = self.optimizer
-            per_group: list[Any] = [None] * len(self.layouts)
-            for reducer in self.reducers:
-                for b, stats in enumerate(reducer.shard_stats()):
-                    per_group[self._group_of[(id(reducer), b)]] = stats
-            stacked = torch.stack(per_group).to(self.device)  # [G, 2]: sum_sq, nonfinite
+            rows = [stats for reducer in self.reducers for stats in reducer.shard_stats()]
+            stacked = torch.stack(rows).to(self.device).index_select(0, self._stats_order)  # [G, 2]: sum_sq, nonfinite
             total = torch.cat([stacked[:, 0], stacked[:, 1].sum().reshape(1)])
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=o.dp_process_group)
             self._step_stats = total
@@ -1078,7 +1076,8 @@ class Zero2Reduction:
                 scaled = total[indices] * 1.0 / dist.get_world_size(group=pg)
                 dist.all_reduce(scaled, group=pg)
                 total[indices] = scaled
-        return combine_grad_norm_groups(list(total.unbind()), norm_type=2)
+        # Stock passes G group norms, which it stacks: the vector as one group is that stack, with no G views.
+        return combine_grad_norm_groups([total], norm_type=2)
 
     def _squared_norms_from_partitions(self) -> torch.Tensor:
         """Stock's per-group squared norms, read from the partitions (model or pipeline parallel runs)."""
