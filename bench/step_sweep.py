@@ -11,7 +11,9 @@ G in ``--sub-groups``. Per G, on the same ranks, stock DeepSpeed (one param
 group whatever the bucket) and flatgrad train ``--steps`` timed steps after
 ``--warmup``, every engine alive at once and all taking turns step by step (so
 that load and its drift fall on all alike); per step, the slowest rank's wall
-time of ``engine.step()`` at the boundary (the optimizer step alone), its
+time of ``engine.step()`` at the boundary (the optimizer step alone, started
+together on every rank after a barrier, so that it does not absorb the ranks'
+skew out of backward at its first collective), its
 training-thread CPU time
 (``time.thread_time``: what the step computes itself, which holds on a loaded
 machine where wall time does not), the wall time of forward + backward + step,
@@ -72,6 +74,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     import torch.distributed as torch_dist
 
     # Collectives, counted once each at deepspeed.comm (DeepSpeed's) or torch.distributed (flatgrad's).
+    barrier = torch_dist.barrier  # kept before the counters wrap anything
     counted: list[str] = []
     depth = [0]
     names = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast",
@@ -144,6 +147,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
                 loss = engine(x, y)
                 engine.backward(loss)
                 counted.clear()
+                barrier()  # the step alone: not the ranks' skew out of backward, which its first collective absorbs
                 t1, c1 = time.perf_counter(), time.thread_time()
                 engine.step()
                 t2, c2 = time.perf_counter(), time.thread_time()

@@ -97,9 +97,9 @@ def _equal(a: Any, b: Any) -> bool:
 class _Settings:
     """One param group's settings, compared with others' as ``same_settings`` does, at C speed where it can.
 
-    A step compares every sub-group with its run's first: the common cases (the
-    same objects, split from one group; equal plain values, set alike by a
-    scheduler) are one tuple comparison each.
+    A step compares every sub-group with its run's first: without tensor
+    settings that is one comparison of value tuples and one of type tuples (1
+    and 1.0 differ, as there); with tensors, the same objects or the full rule.
     """
 
     def __init__(self, group: Mapping[str, Any]) -> None:
@@ -116,9 +116,9 @@ class _Settings:
             return False
         try:
             values = self._get(group)
+            if self._plain:  # no tensor among this group's: equal types and equal (or the same) values
+                return values == self._values and tuple(map(type, values)) == self._types
             if all(map(operator.is_, values, self._values)):
-                return True
-            if self._plain and tuple(map(type, values)) == self._types and values == self._values:
                 return True
         except Exception:  # noqa: BLE001 - a missing key, or values that do not compare: the full rule decides
             pass

@@ -642,15 +642,18 @@ class Zero2Reduction:
         self._step_stats = None  # this hand-over's stats are reduced when step() first asks
         self._window_open = False
 
+    def _handed_over(self) -> bool:
+        """Whether DeepSpeed's ``averaged_gradients`` still hold this window's partitions, every one."""
+        held = map(self.optimizer.averaged_gradients.get, range(len(self.partitions)))
+        return all(map(operator.is_, held, self.partitions))
+
     def step(self, closure: Any = None) -> None:
         """Replaces ``step``: stock's update in one optimizer call for all sub-groups, then release the partitions.
 
         See [Note: ZeRO-2 step]. Without a hand-over to consume (a step with no
         backward) it is stock's step.
         """
-        if self.partitions is None or any(
-            self.optimizer.averaged_gradients.get(i) is not partition for i, partition in enumerate(self.partitions)
-        ):
+        if self.partitions is None or not self._handed_over():
             if self.arenas is not None:
                 self.arenas.unshare()
             result = self._stock_step(closure)
@@ -783,10 +786,9 @@ class Zero2Reduction:
                 raise RuntimeError(f"flatgrad: a gradient arena has {arena.numel()} elements, its master {master.numel()}")
             grads.append(arena.to(master.dtype))
         o.free_grad_in_param_list(self._bit16_params)
-        o._release_preflattened_grad_buffers()
-        for i in range(len(self.layouts)):
-            o.averaged_gradients[i] = None
-            o.all_grad_tensors[i] = None
+        # Every partition is flatgrad's (step() checked): none has DeepSpeed's preflattened buffers to release.
+        o.averaged_gradients.update(dict.fromkeys(range(len(self.layouts))))
+        o.all_grad_tensors.update(dict.fromkeys(range(len(self.layouts))))
         return grads
 
     def _unscale_and_clip(self, grads: list[torch.Tensor], norm: Any) -> None:
@@ -856,7 +858,7 @@ class Zero2Reduction:
         o = self.optimizer
         flats = o.bit16_groups_flat
         if self._gather_plan is not None and all(
-            flats[i] is f for plan, indices in self._gather_plan for i, f in zip(indices, plan.buffers)
+            all(map(operator.is_, map(flats.__getitem__, indices), plan.buffers)) for plan, indices in self._gather_plan
         ):
             return [plan for plan, _ in self._gather_plan]
         plans = []
