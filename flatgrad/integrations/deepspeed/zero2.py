@@ -88,7 +88,12 @@ coalesced form staged (1 + 1/W) times the bytes and copied every buffer one
 call at a time). A launch holds at most ``allgather_bucket_size`` elements,
 DeepSpeed's own bound on a gather (its chunked all_gather path), packed first
 fit largest first: with DeepSpeed's default (5e8), one launch per step for
-models up to 500M elements, as stock.
+models up to 500M elements, as stock. What is left per sub-group is host
+work: checks over lists at C speed (the partitions still handed over, flats
+and params not moved, a settings tuple compared with the run's first), one
+row of the stats, and the Python objects DeepSpeed's bookkeeping keeps per
+sub-group (a partition's per-parameter views, made at the hand-over and
+dropped at the release), about 10 us per sub-group in all on this CPU.
 
 [Note: ZeRO-2 memory]
 Stock frees its IPG buffers and gradient partitions between steps, so
