@@ -345,12 +345,13 @@ class AllGatherPlan:
         self._scatters = [None] * len(self._batches)
         if self._batches and backend_name(group, buffers[0].device) == "gloo":
             self._scatters = [[chunk_scatter(chunks[r]) for r in range(world_size)] for _, chunks in self._batches]
+        # One rank: nothing to send, and a ``source`` is copied into the buffers themselves.
+        self._one_rank_scatter = chunk_scatter(self.buffers) if world_size == 1 else None
         # Where each buffer's chunk lies in a ``source`` (buffer order), and per batch its slice of it
         # when the batch's buffers follow each other there (else the call concatenates them).
         starts = [0]
         for b in buffers:
             starts.append(starts[-1] + b.numel() // world_size)
-        self._source_starts = starts
         self.source_numel = starts[-1]
         self._source_pieces = [
             ([(starts[k], starts[k + 1] - starts[k]) for k in batch],
@@ -386,9 +387,8 @@ class AllGatherPlan:
             all_gather_into_tensor_coalesced(
                 outputs, chunks[rank], group=group, chunks=chunks, packed=packed, scatters=scatters
             )
-        if source is not None and not self._batches and self.buffers:  # one rank: the chunks are the buffers
-            sizes = [b - a for a, b in zip(self._source_starts, self._source_starts[1:])]
-            torch._foreach_copy_(list(self.buffers), list(source.split(sizes)))
+        if source is not None and self._one_rank_scatter is not None:
+            self._one_rank_scatter(source)
         return len(self._batches)
 
 
@@ -468,8 +468,10 @@ def _all_gather_point_to_point(
         works.append(dist.irecv(received[j * n : (j + 1) * n], src=peer, group=group, tag=_GATHER_TAG))
     for work in works:
         work.wait()
-    # This rank's chunks too, unless every input already lies in its chunk.
-    if packed is not None or any(t.data_ptr() != s.data_ptr() for t, s in zip(chunks[rank], inputs)):
+    # This rank's chunks too, unless every input already lies in its chunk (an ``AllGatherPlan`` passes the chunks).
+    if packed is not None or (
+        inputs is not chunks[rank] and any(t.data_ptr() != s.data_ptr() for t, s in zip(chunks[rank], inputs))
+    ):
         scatters[rank](mine)
     for j, r in enumerate(peers):
         scatters[r](received[j * n : (j + 1) * n])
