@@ -122,11 +122,9 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     reduction = getattr(engine.optimizer, "_flatgrad", None)
     out["metadata_bytes"] = 0
     if reduction is not None:
-        from flatgrad.kernels import _tables
-
         out["comm_buffer_bytes"] = sum(r.comm_buffer_bytes for r in reduction.reducers)
-        # Run tables and plan tables (hundreds of bytes to KBs), named rather than hidden in the allowance.
-        out["metadata_bytes"] = _tables.nbytes() + sum(r.plan_bytes() for r in reduction.reducers)
+        # Tables, plans and the last stats (hundreds of bytes to KBs), named rather than hidden in the allowance.
+        out["metadata_bytes"] = reduction.metadata_bytes()
         out["residual_bytes"] = sum(r.residual_bytes for r in reduction.reducers)  # error feedback
     engine.destroy()
     return out
@@ -217,7 +215,8 @@ def _table(rows: list[dict]) -> str:
         )
     lines.append(
         "excess/allowed: (flatgrad - stock) / the target's allowance (between: 2 buckets of comm dtype; "
-        "peak: 1 bucket of fp32); <= 1 meets the target, flatgrad's run and plan tables (KBs) not counted in it"
+        "peak: 1 bucket of fp32); <= 1 meets the target, flatgrad's tables, plans and last stats "
+        "(metadata_bytes(), KBs) not counted in it"
     )
     return "\n".join(lines)
 

@@ -87,6 +87,7 @@ import torch.distributed as dist
 __all__ = [
     "AllGatherPlan",
     "Averaging",
+    "ChunkScatter",
     "Collectives",
     "METHODS",
     "TORCH_COLLECTIVES",
@@ -363,6 +364,12 @@ class AllGatherPlan:
         """The launches one call makes (one per batch)."""
         return len(self._batches)
 
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of the planned copy tables the plan keeps (gloo and one rank; NCCL keeps none)."""
+        scatters = [s for batch in self._scatters if batch for s in batch] + [self._one_rank_scatter]
+        return sum(s.table_bytes for s in scatters if s is not None)
+
     def __call__(self, source: torch.Tensor | None = None) -> int:
         """Gather every buffer in place; returns the number of launches.
 
@@ -423,7 +430,7 @@ def all_gather_into_tensor_coalesced(
 _GATHER_TAG = 0x6667  # the point-to-point messages of one combined all_gather; nothing else is in flight then
 
 
-def chunk_scatter(chunks: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+def chunk_scatter(chunks: Sequence[torch.Tensor]) -> ChunkScatter:
     """A function that copies a flat tensor, the concatenation of ``chunks``, into ``chunks``; made once.
 
     fp32/bf16/fp16 with flatgrad's compiled kernels: one ``UnpackPlan`` call (one
@@ -436,11 +443,24 @@ def chunk_scatter(chunks: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], No
     chunks = [c for c in chunks if c.numel() > 0]
     sizes = [c.numel() for c in chunks]
     if not chunks:
-        return lambda flat: None
+        return ChunkScatter(lambda flat: None, 0)
     if chunks[0].dtype in DTYPES and resolve_backend(None, chunks[0].device).name in ("cpu", "cuda"):
         plan = UnpackPlan(Layout.flat(sizes, 1, 1), 0, chunks)
-        return lambda flat: plan(flat, chunks)
-    return lambda flat: torch._foreach_copy_(chunks, list(flat.split(sizes)))
+        return ChunkScatter(lambda flat: plan(flat, chunks), plan.table_bytes)
+    return ChunkScatter(lambda flat: torch._foreach_copy_(chunks, list(flat.split(sizes))), 0)
+
+
+class ChunkScatter:
+    """What ``chunk_scatter`` makes: ``scatter(flat)`` copies; ``table_bytes`` is its planned table (metadata)."""
+
+    __slots__ = ("_copy", "table_bytes")
+
+    def __init__(self, copy: Callable[[torch.Tensor], None], table_bytes: int) -> None:
+        self._copy = copy
+        self.table_bytes = table_bytes
+
+    def __call__(self, flat: torch.Tensor) -> None:
+        self._copy(flat)
 
 
 def _all_gather_point_to_point(

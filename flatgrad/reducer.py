@@ -818,6 +818,10 @@ class BucketReducer:
         plans = [b.pack_plan for b in self._buckets] + [b.unpack_plan for b in self._buckets if b.unpack_plan]
         return sum(plan.table_bytes for plan in plans)
 
+    def metadata_bytes(self) -> int:
+        """Bytes kept besides gradients and comm buffers: plan tables and the last stats (8 B a bucket)."""
+        return self.plan_bytes() + sum(b.stats.nbytes for b in self._buckets if b.stats is not None)
+
     def has_shards(self) -> bool:
         """Whether any bucket holds a shard (an accumulation window is open)."""
         return any(b.shard is not None for b in self._buckets)

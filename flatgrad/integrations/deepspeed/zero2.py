@@ -1148,6 +1148,22 @@ class Zero2Reduction:
             if self.arenas is not None:
                 self.arenas.invalidate()
 
+    def metadata_bytes(self) -> int:
+        """Bytes flatgrad keeps between steps besides gradients and optimizer state, counted in memory figures.
+
+        The kernels' cached run tables, the reducers' plan tables and last stats,
+        the gather plans' copy tables (gloo) and the stats order: hundreds of bytes
+        to KBs, which memory targets against stock name rather than hide.
+        """
+        from ...kernels import _tables
+
+        gathers = sum(plan.table_bytes for plan, _ in self._gather_plan or ())
+        step_stats = self._step_stats.nbytes if self._step_stats is not None else 0
+        return (
+            _tables.nbytes() + sum(r.metadata_bytes() for r in self.reducers) + gathers
+            + self._stats_order.nbytes + step_stats
+        )  # fmt: skip
+
     def describe(self) -> str:
         """The take-over line: stage, sub-groups, buckets, reduction method."""
         o = self.optimizer
