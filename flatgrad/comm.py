@@ -431,7 +431,7 @@ _GATHER_TAG = 0x6667  # the point-to-point messages of one combined all_gather; 
 
 
 def chunk_scatter(chunks: Sequence[torch.Tensor]) -> ChunkScatter:
-    """A function that copies a flat tensor, the concatenation of ``chunks``, into ``chunks``; made once.
+    """A ``ChunkScatter`` that copies a flat tensor, the concatenation of ``chunks``, into ``chunks``; made once.
 
     fp32/bf16/fp16 with flatgrad's compiled kernels: one ``UnpackPlan`` call (one
     C loop over the chunks, no view made per call). Otherwise views of the flat and
