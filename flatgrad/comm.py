@@ -416,7 +416,7 @@ def all_gather_into_tensor_coalesced(
     (a caller that gathers the same buffers every step makes these views once).
     ``packed``, if given, holds what the inputs would, concatenated, and is read
     instead of them (they may be stale: with in-place inputs, the gather writes them).
-    ``scatters[r]``, if given, is ``chunk_scatter(chunks[r])``, made once (gloo only).
+    ``scatters[r]``, if given, is ``chunk_scatter(chunks[r])``, made once (gloo only; else unplanned copies).
     """
     if backend_name(group, outputs[0].device) == "gloo":
         _all_gather_point_to_point(outputs, inputs, group, chunks, packed, scatters)
@@ -430,12 +430,14 @@ def all_gather_into_tensor_coalesced(
 _GATHER_TAG = 0x6667  # the point-to-point messages of one combined all_gather; nothing else is in flight then
 
 
-def chunk_scatter(chunks: Sequence[torch.Tensor]) -> ChunkScatter:
-    """A ``ChunkScatter`` that copies a flat tensor, the concatenation of ``chunks``, into ``chunks``; made once.
+def chunk_scatter(chunks: Sequence[torch.Tensor], *, planned: bool = True) -> ChunkScatter:
+    """A ``ChunkScatter`` that copies a flat tensor, the concatenation of ``chunks``, into ``chunks``.
 
-    fp32/bf16/fp16 with flatgrad's compiled kernels: one ``UnpackPlan`` call (one
-    C loop over the chunks, no view made per call). Otherwise views of the flat and
-    one ``_foreach_copy_``, which on CPU is one ATen copy per chunk.
+    ``planned`` (for one made once and called every step), with fp32/bf16/fp16 and
+    flatgrad's compiled kernels: one ``UnpackPlan`` call (one C loop over the chunks,
+    no view made per call; its table is uploaded once and cached). Otherwise views
+    of the flat and one ``_foreach_copy_``, which on CPU is one ATen copy per chunk:
+    what a one-off copy uses, so that it plans and caches nothing.
     """
     from .kernels import DTYPES, UnpackPlan, resolve_backend
     from .layout import Layout
@@ -444,7 +446,7 @@ def chunk_scatter(chunks: Sequence[torch.Tensor]) -> ChunkScatter:
     sizes = [c.numel() for c in chunks]
     if not chunks:
         return ChunkScatter(lambda flat: None, 0)
-    if chunks[0].dtype in DTYPES and resolve_backend(None, chunks[0].device).name in ("cpu", "cuda"):
+    if planned and chunks[0].dtype in DTYPES and resolve_backend(None, chunks[0].device).name in ("cpu", "cuda"):
         plan = UnpackPlan(Layout.flat(sizes, 1, 1), 0, chunks)
         return ChunkScatter(lambda flat: plan(flat, chunks), plan.table_bytes)
     return ChunkScatter(lambda flat: torch._foreach_copy_(chunks, list(flat.split(sizes))), 0)
@@ -475,8 +477,8 @@ def _all_gather_point_to_point(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if chunks is None:
         chunks = [[output.view(world_size, -1)[r] for output in outputs] for r in range(world_size)]
-    if scatters is None:
-        scatters = [chunk_scatter(c) for c in chunks]
+    if scatters is None:  # a one-off gather: no plan made and cached for it
+        scatters = [chunk_scatter(c, planned=False) for c in chunks]
     mine = packed if packed is not None else torch.cat(list(inputs))
     n = mine.numel()
     peers = [r for r in range(world_size) if r != rank]

@@ -304,12 +304,13 @@ _SCATTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=9),
     dtype=st.sampled_from(_SCATTER_DTYPES),
     backend=st.sampled_from(["auto", "torch"]),
+    planned=st.booleans(),
 )
 @settings(max_examples=60, deadline=None)
-def test_chunk_scatter_copies_the_bits_into_every_chunk_and_nothing_else(sizes, dtype, backend):
+def test_chunk_scatter_copies_the_bits_into_every_chunk_and_nothing_else(sizes, dtype, backend, planned):
     """The gloo gather's copy out of a received message: planned kernel (fp32/bf16/fp16, compiled backend) or
-    ``_foreach_copy_`` (other dtypes, the torch backend): every chunk gets its slice bit for bit (NaN payloads,
-    -0.0, infinities), the rows of other ranks stay untouched, and zero-sized chunks are skipped."""
+    ``_foreach_copy_`` (other dtypes, the torch backend, a one-off copy): every chunk gets its slice bit for bit
+    (NaN payloads, -0.0, infinities), the rows of other ranks stay untouched, and zero-sized chunks are skipped."""
     import os
 
     old = os.environ.get("FLATGRAD_BACKEND")
@@ -321,11 +322,11 @@ def test_chunk_scatter_copies_the_bits_into_every_chunk_and_nothing_else(sizes, 
         bits_dtype, top = (torch.int16, 2**15) if dtype.itemsize == 2 else (torch.int32, 2**31)
         bits = torch.randint(-top, top - 1, (sum(sizes),), dtype=bits_dtype)
         flat = bits.view(dtype)  # every bit pattern: NaNs with payloads, -0.0, inf, subnormals
-        scatter = comm.chunk_scatter(chunks)
+        scatter = comm.chunk_scatter(chunks, planned=planned)
         scatter(flat)
-        comm.chunk_scatter(chunks)(flat)  # made again: the same
-        planned = dtype != torch.int32 and backend == "auto" and any(sizes)
-        assert (scatter.table_bytes > 0) == planned, (scatter.table_bytes, dtype, backend)  # counted as metadata
+        comm.chunk_scatter(chunks, planned=planned)(flat)  # made again: the same
+        kernel = planned and dtype != torch.int32 and backend == "auto" and any(sizes)
+        assert (scatter.table_bytes > 0) == kernel, (scatter.table_bytes, dtype, backend, planned)  # metadata
         for buffer, chunk, piece in zip(buffers, chunks, flat.split(sizes)):
             assert torch.equal(chunk.view(bits.dtype), piece.view(bits.dtype))
             rows = buffer.view(3, -1)
