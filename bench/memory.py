@@ -123,7 +123,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     out["metadata_bytes"] = 0
     if reduction is not None:
         out["comm_buffer_bytes"] = sum(r.comm_buffer_bytes for r in reduction.reducers)
-        # Tables, plans and the last stats (hundreds of bytes to KBs), named rather than hidden in the allowance.
+        # Tables and plans (hundreds of bytes to KBs), named rather than hidden in the allowance.
         out["metadata_bytes"] = reduction.metadata_bytes()
         out["residual_bytes"] = sum(r.residual_bytes for r in reduction.reducers)  # error feedback
     engine.destroy()
@@ -215,7 +215,7 @@ def _table(rows: list[dict]) -> str:
         )
     lines.append(
         "excess/allowed: (flatgrad - stock) / the target's allowance (between: 2 buckets of comm dtype; "
-        "peak: 1 bucket of fp32); <= 1 meets the target, flatgrad's tables, plans and last stats "
+        "peak: 1 bucket of fp32); <= 1 meets the target, flatgrad's tables and plans "
         "(metadata_bytes(), KBs) not counted in it"
     )
     return "\n".join(lines)

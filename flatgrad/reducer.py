@@ -779,7 +779,8 @@ class BucketReducer:
         if self._in_step:
             raise RuntimeError("zero_grad() in the middle of a micro-step: call finish() first")
         for b in self._buckets:
-            b.shard = None  # the stats stay until the next unpack replaces them (8 bytes; no drop per bucket here)
+            b.shard = None
+            b.stats = None
         self._arena = None
 
     def grad_shards(self) -> list[GradShard]:
@@ -809,7 +810,7 @@ class BucketReducer:
         """
         if not self.stats_available:
             raise RuntimeError("shard_stats() needs a reducer made with collect_stats=True")
-        if self._in_step or not all(b.shard is not None and b.accumulate for b in self._buckets):  # unpacked this window
+        if self._in_step or any(b.stats is None for b in self._buckets):
             raise RuntimeError("no shard stats: a bucket was not unpacked since the last zero_grad(), or finish() is due")
         return [b.stats for b in self._buckets]
 
@@ -819,7 +820,7 @@ class BucketReducer:
         return sum(plan.table_bytes for plan in plans)
 
     def metadata_bytes(self) -> int:
-        """Bytes kept besides gradients and comm buffers: plan tables and the last stats (8 B a bucket)."""
+        """Bytes kept besides gradients and comm buffers: plan tables; inside a window, the stats (8 B a bucket)."""
         return self.plan_bytes() + sum(b.stats.nbytes for b in self._buckets if b.stats is not None)
 
     def has_shards(self) -> bool:

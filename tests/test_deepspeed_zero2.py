@@ -402,8 +402,8 @@ def _optimizer_scalar_bytes(engine) -> int:
 def test_memory_between_steps_and_peak_within_the_targets_of_stock(stage, dtype):
     """Between steps <= stock (issue 9 allowed 2 buckets of comm dtype); peak <= stock + 1 fp32 bucket.
 
-    Three terms are named, not hidden: the tables and stats flatgrad keeps (``metadata_bytes()``, about
-    1.7 KB here), the optimizer's per-group scalars (Adam's ``step``) of the extra sub-groups, and gloo's
+    Three terms are named, not hidden: the tables flatgrad keeps (``metadata_bytes()``, about
+    1.6 KB here), the optimizer's per-group scalars (Adam's ``step``) of the extra sub-groups, and gloo's
     own copy of the other ranks' chunks inside its reduce_scatter ((W-1)/W of a bucket, measured in
     bench/memory.py; NCCL's reduce_scatter allocates nothing), which stock's all_reduce does not make.
     A ``gc.collect()`` before each census: a flaky pass once hid the kept bytes behind stock's engine

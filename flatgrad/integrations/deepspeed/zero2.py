@@ -1151,9 +1151,10 @@ class Zero2Reduction:
     def metadata_bytes(self) -> int:
         """Bytes flatgrad keeps between steps besides gradients and optimizer state, counted in memory figures.
 
-        The kernels' cached run tables, the reducers' plan tables and last stats,
-        the gather plans' copy tables (gloo) and the stats order: hundreds of bytes
-        to KBs, which memory targets against stock name rather than hide.
+        The kernels' cached run tables, the reducers' plan tables, the gather
+        plans' copy tables (gloo), the stats order, and inside a window the
+        stats: hundreds of bytes to KBs, which memory targets against stock name
+        rather than hide.
         """
         from ...kernels import _tables
 
