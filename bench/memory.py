@@ -14,7 +14,7 @@ CPU flatgrad's counting allocator, on CUDA the caching allocator's counters),
 so they include the model, the optimizer states, the activations, and the
 gradient path. Each configuration runs in fresh rank processes.
 
-Targets (issue 9), as ratios to stock in the same run, with ``bucket`` the
+Targets, as ratios to stock in the same run, with ``bucket`` the
 largest ZeRO-1/2 sub-group (or ZeRO-3 bucket) and ``c`` the comm dtype's bytes:
 
 * ZeRO-1/2 between steps: flatgrad <= stock + 2 * bucket * c;
@@ -178,7 +178,7 @@ def _line(row: dict) -> str:
 
 
 def _targets(row: dict) -> dict[str, Any]:
-    """The issue's targets for one row: the allowance in bytes, and whether flatgrad is within it."""
+    """The memory targets for one row: the allowance in bytes, and whether flatgrad is within it."""
     s, f = row["stock"], row["flatgrad"]
     largest = max(f["largest_bucket"], s["largest_bucket"])
     c = f["comm_bytes"]

@@ -18,7 +18,7 @@ Reported (``--out``.json, and ``--out``.png with the curves when matplotlib is
 there; the script prints both paths): per mode the losses of every step (rank
 0's), the final loss (mean of the last 10 steps, to see past one batch's
 noise) and its relative difference to fp32 communication, and the wire bytes
-per rank per step. Targets (issue 12): ``exact`` within 0.1% of fp32, ``int8``
+per rank per step. Targets: ``exact`` within 0.1% of fp32, ``int8``
 with error feedback within 1%.
 
 Two more measures beside the final loss, because a 0.1% target sits near the

@@ -65,7 +65,7 @@ def test_bench_writes_json_with_every_row(tmp_path, capsys):
     assert "(d) roofline copy_" in table and "(a) deepspeed zero3 cat+div" in table
     assert doc["machine"]["cpu"] in table
 
-    # The reduction modes' W-source unpacks, against the copy roofline (issue 12).
+    # The reduction modes' W-source unpacks, against the copy roofline.
     wire = doc["wire_unpack"]
     assert (wire["numel"], wire["world"]) == (4096, 4) and wire["copy_bandwidth"] > 0
     modes = [(r["mode"], r["accumulate"]) for r in wire["rows"]]

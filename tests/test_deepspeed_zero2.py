@@ -1089,33 +1089,37 @@ def test_environment_variable_patches_on_import():
 
 
 def _takeover_rank(rank, world_size):
-    import logging
+    import contextlib
+    import io
 
-    from deepspeed.utils import logger
+    from flatgrad.integrations.deepspeed.initialize import QUIET_VAR
 
-    messages = []
+    def stderr_lines(config: dict, quiet: str | None) -> list[str]:
+        if quiet is None:
+            os.environ.pop(QUIET_VAR, None)
+        else:
+            os.environ[QUIET_VAR] = quiet
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            _engine("flatgrad", config)
+        os.environ.pop(QUIET_VAR, None)
+        return [line for line in err.getvalue().splitlines() if line.startswith("flatgrad:")]
 
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append((record.levelno, record.getMessage()))
-
-    logger.setLevel(logging.INFO)  # DeepSpeed's default level (tests/_ds.py quiets it)
-    logger.addHandler(Keep())
-    for stage in (1, 2, 3):
-        _engine("flatgrad", ds_config(stage, world_size=world_size, bucket=500))
-    has_stream = any(isinstance(h, logging.StreamHandler) and not isinstance(h, Keep) for h in logger.handlers)
-    return has_stream, [(level, m) for level, m in messages if "flatgrad" in m]
+    shown = [stderr_lines(ds_config(stage, world_size=world_size, bucket=500), None) for stage in (1, 2, 3)]
+    quiet = stderr_lines(ds_config(2, world_size=world_size, bucket=500), "1")
+    off = stderr_lines({**ds_config(2, world_size=world_size, bucket=500), "flatgrad": {"announce": False}}, None)
+    return shown, quiet, off
 
 
 @pytest.mark.timeout(150)
-def test_take_over_is_one_info_line_on_rank_0_in_deepspeeds_log():
-    (stream, lines0), (_, lines1) = launch(_takeover_rank, 2, timeout=140)
-    assert stream  # DeepSpeed's logger prints by itself: no logging configuration needed
-    assert lines1 == []
-    assert [level for level, _ in lines0] == [20, 20, 20], lines0
-    for stage, (_, line) in zip((1, 2, 3), lines0):
-        assert f"ZeRO-{stage} gradient reduction taken over" in line, line
-        assert "sub-group" in line and "bucket" in line and "reduce_scatter (" in line, line
+def test_take_over_is_one_stderr_line_on_rank_0_under_default_logging():
+    (shown0, quiet0, off0), (shown1, quiet1, off1) = launch(_takeover_rank, 2, timeout=140)
+    assert shown1 == [[], [], []] and quiet1 == [] and off1 == []
+    assert quiet0 == [] and off0 == []
+    for stage, lines in zip((1, 2, 3), shown0):
+        assert len(lines) == 1, lines
+        assert f"ZeRO-{stage} gradient reduction taken over" in lines[0], lines[0]
+        assert "sub-group" in lines[0] and "bucket" in lines[0] and "reduce_scatter (" in lines[0], lines[0]
 
 
 def _setup_failure_rank(rank, world_size):

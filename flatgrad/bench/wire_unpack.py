@@ -6,7 +6,7 @@ writes, one fp32 shard: its floor is the time a copy needs to move the same
 bytes. The baseline beside it, measured in the same run at the same thread
 count: ``torch.Tensor.copy_`` of a 64 MiB uint8 buffer gives the copy bandwidth
 (bytes read + written per second); a row's ``x roofline`` is (its bytes / that
-bandwidth) / its time. Target (issue 12): >= 0.8. Times are the minimum and the
+bandwidth) / its time. Target: >= 0.8. Times are the minimum and the
 median of ``repeat`` calls after one warm-up call; the ratio uses both minimums.
 
 ``flatgrad bench`` prints these rows after the pack/unpack table;

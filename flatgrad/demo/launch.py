@@ -83,13 +83,50 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
+def _flatgrad_file() -> str:
+    import flatgrad
+
+    return os.path.abspath(flatgrad.__file__)
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver (once per process) so that its preload imports this process's flatgrad.
+
+    The server is ``python -c ...``, whose ``sys.path`` starts with its working
+    directory, and CPython does not give it the parent's ``sys.path`` before it
+    imports the preload list: started from a source checkout, it would import that
+    unbuilt tree, not the installed package. So it starts in the directory that
+    holds the parent's ``flatgrad``. Forked ranks then take the parent's
+    ``sys.path`` and working directory back (``multiprocessing.spawn.prepare``).
+    """
+    from multiprocessing import forkserver
+
+    cwd = os.getcwd()
+    os.chdir(os.path.dirname(os.path.dirname(_flatgrad_file())))
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.chdir(cwd)
+
+
 def _context(start_method: str, preload: Sequence[str]) -> mp.context.BaseContext:
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(list(preload))  # read only when the server starts (the first run in a process)
+        _start_forkserver()
     return ctx
+
+
+def _check_same_flatgrad(parent_file: str) -> None:
+    """Raise unless this rank imported the parent's flatgrad (a source tree can shadow an installed package)."""
+    mine = _flatgrad_file()
+    if mine != parent_file:
+        raise ImportError(
+            f"this rank imported flatgrad from {mine}, but the process that started it uses {parent_file}; "
+            "start it with the parent's sys.path (flatgrad.demo.launch.run_ranks does)"
+        )
 
 
 def _send(conn: multiprocessing.connection.Connection, status: str, payload: Any) -> None:
@@ -127,7 +164,7 @@ def _die_with_parent() -> None:
 
 def _rank_main(
     fn: Callable, rank: int, world_size: int, args: tuple, port: int, backend: str,
-    pg_timeout: timedelta, threads: int, conn: multiprocessing.connection.Connection,
+    pg_timeout: timedelta, threads: int, conn: multiprocessing.connection.Connection, parent_flatgrad: str,
 ) -> None:  # fmt: skip
     """A rank's body: join the group, run ``fn``, send ``("ok", result)`` or ``("error", traceback)``."""
     global _CONN
@@ -135,6 +172,7 @@ def _rank_main(
     code = 0
     try:
         _die_with_parent()
+        _check_same_flatgrad(parent_flatgrad)
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -201,7 +239,7 @@ def run_ranks(
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, args, store.port, backend, pg_timeout, threads, send),
+                args=(fn, rank, world_size, args, store.port, backend, pg_timeout, threads, send, _flatgrad_file()),
                 name=f"rank{rank}",
                 daemon=True,
             )

@@ -190,34 +190,44 @@ def text_table(summary: Mapping[str, Any], world_size: int, device: str, machine
 
 
 def plot(path: str, summary: Mapping[str, Any], world_size: int, device: str) -> None:
-    """A PNG: reductions per backward, MB per rank, backward and step time per setup."""
+    """A PNG: reductions per backward, MB sent, peak memory, backward and step time per setup.
+
+    Setups are rows (horizontal bars, labels on the left), so long labels never collide.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = summary["rows"]
-    names = [r["label"].replace(", ", "\n").replace(" ZeRO", "\nZeRO") + f"\n({r['model']})" for r in rows]
+    names = [f"{r['label']}\n({r['model']})" for r in rows]
     colors = ["#4c72b0" if r["flatgrad"] else "#c44e52" for r in rows]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.4))
+    y = list(range(len(rows)))
+    fig, axes = plt.subplots(1, 5, figsize=(20, 1.6 + 0.62 * len(rows)), sharey=True)
     ax = axes[0]
     multi = [r["reductions_multi_rank"] for r in rows]
     single = [r["reductions"] - r["reductions_multi_rank"] for r in rows]
-    ax.bar(names, multi, color=colors, label="groups of >1 rank")
-    ax.bar(names, single, bottom=multi, color=colors, alpha=0.35, label="one-rank groups")
-    ax.set_title("gradient reductions per backward")
-    ax.legend(fontsize=7)
-    ax = axes[1]
-    ax.bar(names, [r["sent_mb_per_rank"] for r in rows], color=colors)
-    ax.set_title("MB sent per rank per backward")
-    panels = ((axes[2], "backward", "backward + reduction (ms)"), (axes[3], "step", "training step (ms)"))
-    for ax, name, title in panels:
-        ax.bar(names, [r[f"{name}_ms"] for r in rows], color=colors)
-        ax.scatter(names, [r[f"{name}_ms_min"] for r in rows], color="black", marker="_", s=200, label="min")
-        ax.set_title(f"{title}, median")
-        ax.legend(fontsize=7)
+    ax.barh(y, multi, color=colors, label="groups of >1 rank")
+    ax.barh(y, single, left=multi, color=colors, alpha=0.35, label="one-rank groups")
+    ax.set_title("gradient reductions\nper backward")
+    ax.legend(fontsize=7, loc="lower right")
+    panels = (
+        (axes[1], [r["sent_mb_per_rank"] for r in rows], None, "MB sent per rank\nper backward"),
+        (axes[2], [r["peak_mb_per_rank"] for r in rows], None, "peak MB per rank\n(built alone)"),
+        (axes[3], [r["backward_ms"] for r in rows], [r["backward_ms_min"] for r in rows],
+         "backward + reduction\nms, median (| min)"),
+        (axes[4], [r["step_ms"] for r in rows], [r["step_ms_min"] for r in rows], "training step\nms, median (| min)"),
+    )  # fmt: skip
+    for ax, values, mins, title in panels:
+        ax.barh(y, values, color=colors)
+        if mins is not None:
+            ax.scatter(mins, y, color="black", marker="|", s=200, zorder=3)
+        ax.set_title(title, fontsize=10)
+    axes[0].set_yticks(y, names, fontsize=8)
+    axes[0].invert_yaxis()
     for ax in axes:
-        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"flatgrad demo: stock DeepSpeed (red) and flatgrad (blue), {world_size} {device.upper()} ranks")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

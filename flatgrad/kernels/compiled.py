@@ -17,6 +17,7 @@ with a CPU implementation there and a CUDA one in ``csrc/cuda/``:
 from __future__ import annotations
 
 import functools
+import os
 from typing import Sequence
 
 import torch
@@ -68,13 +69,30 @@ def _register_fakes() -> None:
         return shard.new_empty((2,) if stats else (0,), dtype=torch.float32)
 
 
+def _missing_extension(exc: ImportError) -> str:
+    """Why ``flatgrad._C`` did not import: which flatgrad this is, and what to run."""
+    import flatgrad
+
+    package = os.path.dirname(os.path.abspath(flatgrad.__file__))
+    root = os.path.dirname(package)
+    if os.path.exists(os.path.join(root, "setup.py")):
+        fix = (
+            f"this is the unbuilt source tree {root}: build it in place with "
+            "`pip install --no-build-isolation -e .` from there, or run from another directory to use an installed "
+            "flatgrad"
+        )
+    else:
+        fix = "reinstall with `pip install --no-build-isolation flatgrad` against the torch installed now"
+    return f"the compiled extension flatgrad._C did not import from {package} ({exc}); {fix}"
+
+
 @functools.lru_cache(maxsize=None)
 def _load() -> str:
     """Import the extension (once); returns an empty string or why it is missing."""
     try:
         from .. import _C  # noqa: F401  (registers torch.ops.flatgrad)
     except ImportError as exc:
-        return f"the compiled extension flatgrad._C is not built ({exc}); reinstall with `pip install --no-build-isolation .`"
+        return _missing_extension(exc)
     _register_fakes()
     return ""
 

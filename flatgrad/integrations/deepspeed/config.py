@@ -48,6 +48,8 @@ class FlatgradConfig:
             see [Note: reduction modes] in ``flatgrad/reducer.py``. ZeRO-3 refuses the others.
         block: ``int8``/``fp8``: elements per fp32 scale, a power of two in [32, 4096].
         error_feedback: ``int8``/``fp8``: carry each rank's quantization error into its next step.
+        announce: print the take-over line (stage, sub-groups, buckets, method) on rank 0's stderr;
+            ``FLATGRAD_QUIET=1`` silences it too.
     """
 
     enabled: bool = True
@@ -59,6 +61,7 @@ class FlatgradConfig:
     reduction: str = "reduce_scatter"
     block: int = 256
     error_feedback: bool = False
+    announce: bool = True
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "FlatgradConfig":
@@ -109,6 +112,8 @@ class FlatgradConfig:
             raise UnsupportedConfigError(str(exc)) from exc
         if not isinstance(cfg.error_feedback, bool):
             raise UnsupportedConfigError(f"'{SECTION}.error_feedback' must be true or false, got {cfg.error_feedback!r}")
+        if not isinstance(cfg.announce, bool):
+            raise UnsupportedConfigError(f"'{SECTION}.announce' must be true or false, got {cfg.announce!r}")
         if cfg.error_feedback and cfg.reduction not in wire.KINDS:
             raise UnsupportedConfigError(
                 f"'{SECTION}.error_feedback' needs '{SECTION}.reduction' 'int8' or 'fp8', not {cfg.reduction!r}"

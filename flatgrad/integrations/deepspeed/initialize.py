@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import inspect
 import logging
+import os
 from typing import Any, Callable
 
 from .config import (
@@ -30,7 +31,7 @@ from .config import (
     split_config,
 )
 
-__all__ = ["Plan", "initialize", "plan", "run", "stock_arguments"]
+__all__ = ["QUIET_VAR", "Plan", "initialize", "plan", "run", "stock_arguments"]
 
 logger = logging.getLogger("flatgrad.deepspeed")
 
@@ -183,11 +184,25 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     )
 
 
-def _announce(message: str) -> None:
-    """One line on rank 0 through DeepSpeed's own logger, visible as DeepSpeed's INFO lines are."""
-    from deepspeed.utils import log_dist
+QUIET_VAR = "FLATGRAD_QUIET"
 
-    log_dist(message, ranks=[0])
+
+def _announce(message: str, cfg: FlatgradConfig) -> None:
+    """The take-over line, once on rank 0, on stderr: visible under DeepSpeed's default WARNING level.
+
+    ``FLATGRAD_QUIET=1`` or ``"flatgrad": {"announce": false}`` silences it; it
+    also goes to the ``flatgrad.deepspeed`` logger at INFO on every rank.
+    """
+    import sys
+
+    import torch.distributed as dist
+
+    logger.info(message)
+    if not cfg.announce or os.environ.get(QUIET_VAR, "") not in ("", "0"):
+        return
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    print(message, file=sys.stderr, flush=True)
 
 
 def run(p: Plan) -> tuple:
@@ -201,13 +216,13 @@ def run(p: Plan) -> tuple:
 
         with zero2.prepare(p.cfg):
             result = original(**p.arguments)
-        _announce(zero2.install(result[0], p.cfg).describe())
+        _announce(zero2.install(result[0], p.cfg).describe(), p.cfg)
         return result
     if p.route == "zero3":
         from .zero3 import install as zero3_install
 
         result = original(**p.arguments)
-        _announce(zero3_install(result[0], p.cfg).describe())
+        _announce(zero3_install(result[0], p.cfg).describe(), p.cfg)
         return result
     raise ValueError(f"unknown route {p.route!r}")
 
