@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -66,12 +67,19 @@ def test_ranks_import_the_parents_flatgrad_from_any_working_directory(tmp_path: 
 
 def test_a_missing_extension_names_the_tree_and_the_command(tmp_path: pathlib.Path):
     _unbuilt_copy(tmp_path)
-    code = "from flatgrad.kernels import compiled; print(compiled.devices('cpu')[1])"
+    code = (
+        "import flatgrad; from flatgrad.kernels import compiled; "
+        "print(flatgrad.__file__); print(compiled.devices('cpu')[1])"
+    )
+    # -S: no site hooks, so an editable install's finder cannot hand the unbuilt copy another tree's _C; the
+    # site-packages directories come back through PYTHONPATH for torch.
+    packages = os.pathsep.join(site.getsitepackages())
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, PYTHONPATH=""),
+        [sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=packages),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    message = proc.stdout.strip()
+    imported, message = proc.stdout.strip().splitlines()
+    assert imported == str(tmp_path / "flatgrad" / "__init__.py")
     assert str(tmp_path / "flatgrad") in message
     assert "pip install --no-build-isolation -e ." in message
