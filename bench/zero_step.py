@@ -16,7 +16,7 @@ machine load falls on all alike):
   pack, one ``reduce_scatter``, one fused unpack into the fp32 partition.
 
 Models (``--models``): ``moe``, the seed thread's model (10,026,000 parameters
-per rank, 16 experts, ep_size 4; ``--moe-bucket`` 1e6 as in DESIGN.md's
+per rank, 16 experts, ep_size 4; ``--moe-bucket`` 1e6 as in docs/design.md's
 reproduction of the thread's 23 reduces), and ``transformer``, about 52M
 parameters (``--transformer-bucket`` 5e6).
 
@@ -76,7 +76,7 @@ _GRADIENT_OPS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tenso
 
 
 def _seed_moe():
-    """DESIGN.md "The seed model", as ``flatgrad plan`` and ``flatgrad demo`` define it."""
+    """docs/design.md "The seed model", as ``flatgrad plan`` and ``flatgrad demo`` define it."""
     import torch
 
     from flatgrad.plan.models import SimpleMoeModel

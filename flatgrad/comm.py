@@ -522,7 +522,7 @@ def all_to_all(
 
     One ``all_to_all_single`` with equal chunks (``numel / W`` each); the
     reduction modes ``exact``, ``int8`` and ``fp8`` use it instead of a
-    reduce_scatter (see DESIGN.md, "Reduction modes"). gloo refuses float8
+    reduce_scatter (see docs/design.md, "Reduction modes"). gloo refuses float8
     tensors: pass a ``uint8`` view. ``collectives`` issues the call (see [Note:
     collectives seam]). World size 1: a copy, no collective, and ``None`` is
     returned.

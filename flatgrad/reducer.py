@@ -76,7 +76,7 @@ these from its cache after the first step, with no device allocation.
 one keeps its memory alive (a shard is dropped, never resized under a view).
 
 [Note: reduction modes]
-``reduction`` picks what moves a bucket (see DESIGN.md, "Reduction modes"):
+``reduction`` picks what moves a bucket (see docs/design.md, "Reduction modes"):
 
 * ``"reduce_scatter"``: the path above, unchanged.
 * ``"exact"``: the comm-dtype buffer goes out through one ``all_to_all`` into a

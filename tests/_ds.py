@@ -151,7 +151,7 @@ class MLP(torch.nn.Module):
 
 
 class SeedMoE(torch.nn.Module):
-    """The model of the ZeRO-2 seed thread (DESIGN.md "The seed model"), optionally scaled down.
+    """The model of the ZeRO-2 seed thread (docs/design.md "The seed model"), optionally scaled down.
 
     ``hidden=1000, num_experts=16, ep_size=4`` is the thread's model: 10,026,000
     trainable parameters per rank.

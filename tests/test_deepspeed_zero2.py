@@ -400,7 +400,7 @@ def _optimizer_scalar_bytes(engine) -> int:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("stage,dtype", [(2, "bf16"), (2, "fp32"), (1, "fp32")])
 def test_memory_between_steps_and_peak_within_the_targets_of_stock(stage, dtype):
-    """Between steps <= stock (issue 9 allowed 2 buckets of comm dtype); peak <= stock + 1 fp32 bucket.
+    """Between steps <= stock; peak <= stock + 1 fp32 bucket.
 
     Three terms are named, not hidden: the tables flatgrad keeps (``metadata_bytes()``, about
     1.6 KB here), the optimizer's per-group scalars (Adam's ``step``) of the extra sub-groups, and gloo's
@@ -502,7 +502,7 @@ def _stats_rank(rank, world_size, moe):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size,moe", [(2, False), (4, False), (4, True)])
 def test_norm_and_overflow_come_from_the_unpack_with_no_pass_over_the_partitions(world_size, moe):
-    """Issue 11: the norm from the unpack stats equals the norm read from the partitions (1e-6), clipping
+    """The norm from the unpack stats equals the norm read from the partitions (1e-6), clipping
     gives stock's parameters (1e-6), step() runs no reduction over the partitions, and its norm and
     overflow collectives are no more than stock's although there are several sub-groups."""
     for rank, out in enumerate(launch(_stats_rank, world_size, moe, timeout=230)):
@@ -530,7 +530,7 @@ def test_norm_and_overflow_come_from_the_unpack_with_no_pass_over_the_partitions
             assert gathered(mine) < flat["multi_rank_sub_groups"], (mine, flat["multi_rank_sub_groups"])
 
 
-# --------------------------------------------------------------------------- optimizer arenas (issue 11)
+# --------------------------------------------------------------------------- optimizer arenas
 
 
 def _arena_rank(rank, world_size):
@@ -587,7 +587,7 @@ def _arena_rank(rank, world_size):
 
 @pytest.mark.timeout(150)
 def test_optimizer_steps_one_tensor_per_run_over_arenas_bitwise_like_stock():
-    """Issue 11: under ZeRO-2 the optimizer sees one tensor per run of sub-groups (not one per sub-group), the
+    """Under ZeRO-2 the optimizer sees one tensor per run of sub-groups (not one per sub-group), the
     sub-groups' state are views of one run state, a state_dict load is gathered again, and training stays
     bitwise equal to stock (also after a partition was given other memory); a sub-group whose settings diverge
     is stepped apart, each step counted once."""

@@ -373,7 +373,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,dtype", [(2, "fp32"), (4, "fp32"), (2, "fp16")])
 def test_norm_and_overflow_come_from_the_unpack(world_size: int, dtype: str) -> None:
-    """Issue 11 for ZeRO-3: the norm from the unpack stats is stock's (1e-6), clipping gives stock's weights
+    """ZeRO-3: the norm from the unpack stats is stock's (1e-6), clipping gives stock's weights
     (1e-6), fp16 skips the same steps, step() runs no norm or overflow op on the grad partitions, and it
     issues no more all_reduces than stock (one, against one per sub-group)."""
     options = {"bucket": 400, "stage3_param_persistence_threshold": 0, "clip": 0.05, "sub_group_size": 200}

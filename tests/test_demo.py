@@ -274,7 +274,7 @@ def _recorded(rank: int, world_size: int) -> list:
     from flatgrad import comm
     from flatgrad.demo.measure import CollectiveRecorder
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build (DESIGN.md)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build (docs/design.md)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     pair = dist.new_group([1, 2])
     recorder = CollectiveRecorder().install()

@@ -354,7 +354,7 @@ def test_schedules_reduce_every_element_exactly_once(numels: list[int], world_si
 
 
 def test_seed_model_reproduces_the_measured_figures() -> None:
-    """DESIGN.md "The seed model": measured with real DeepSpeed 0.19.8 on CPU/gloo."""
+    """docs/design.md "The seed model": measured with real DeepSpeed 0.19.8 on CPU/gloo."""
     seed = models.load("seed-moe")
     assert stock_zero2(seed, 8).ops() == {"all_reduce": 2}
     reduce = stock_zero2(seed, 8, use_multi_rank_bucket_allreduce=False)

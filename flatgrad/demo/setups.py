@@ -6,7 +6,7 @@ flatgrad ZeRO-2 with that reduction mode (all_to_all instead of
 reduce_scatter; ``int8`` with error feedback). Models come from ``flatgrad.plan.models``,
 the definitions ``flatgrad plan`` schedules:
 
-* ZeRO-2: ``seed-moe``, the seed thread's model (DESIGN.md "The seed model"):
+* ZeRO-2: ``seed-moe``, the seed thread's model (docs/design.md "The seed model"):
   10,026,000 trainable parameters per rank, 16 experts, ``ep_size=4``.
 * ZeRO-3: DeepSpeed 0.19 refuses its native MoE under ZeRO-3 ("Native
   DeepSpeed MoE is not supported with ZeRO Stage 3"), and flatgrad's ZeRO-3

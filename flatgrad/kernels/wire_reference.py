@@ -1,7 +1,7 @@
 """The pure-PyTorch reference of the wire kernels (reduction modes ``exact``, ``int8``, ``fp8``): the oracle.
 
 The wire kernels serve the reduction modes that replace the reduce_scatter by
-one ``all_to_all`` (see DESIGN.md, "Reduction modes"): the packed buffer holds
+one ``all_to_all`` (see docs/design.md, "Reduction modes"): the packed buffer holds
 ``W`` chunks of ``S`` elements, chunk ``r`` for rank ``r``; after the
 all_to_all, source ``w`` of the receive buffer is what rank ``w`` sent to this
 rank. Four operations:

@@ -15,7 +15,7 @@ Built-in models (``MODELS``):
 * ``llama-7b``: LLaMA-7B, 6,738,415,616 parameters (32 layers, d=4096, MLP
   11008, vocabulary 32000, untied ``lm_head``), Hugging Face's
   ``LlamaForCausalLM`` order.
-* ``seed-moe``: the model of the ZeRO-2 seed thread (DESIGN.md "The seed
+* ``seed-moe``: the model of the ZeRO-2 seed thread (docs/design.md "The seed
   model"): ``fc1``, ``fc2`` and ``moeBertLayer.output``, a
   ``deepspeed.moe.layer.MoE`` of 16 experts (each ``fc1``/``fc2`` of
   1000x1000), expert-parallel size 4, top-1 gating: 10,026,000 trainable
@@ -360,7 +360,7 @@ class SimpleMoeModel(nn.Module):
     The MoE is DeepSpeed's own ``deepspeed.moe.layer.MoE``, whose construction
     needs no process group (DeepSpeed's engine creates the expert groups at
     ``initialize``), so the same class serves the plan (on meta) and real runs.
-    The forward is not in the thread; this is DESIGN.md's choice:
+    The forward is not in the thread; this is docs/design.md's choice:
     ``relu(fc1(x)) -> fc2 -> MoE``, mean squared error plus 0.01 x the gate's
     auxiliary loss. Its backward order is declared, see [Note: backward hook order].
     """

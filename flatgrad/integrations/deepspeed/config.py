@@ -13,7 +13,7 @@ import os
 from typing import Any, Mapping
 
 SECTION = "flatgrad"
-SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in DESIGN.md exist in 0.19.2+
+SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in docs/design.md exist in 0.19.2+
 
 _COMM_DTYPES = ("fp32", "bf16", "fp16")
 _METHODS = ("auto", "tensor", "list")
@@ -182,5 +182,5 @@ def check_deepspeed_version() -> None:
     if not low <= version < high:
         raise UnsupportedConfigError(
             f"flatgrad.deepspeed supports DeepSpeed >= {'.'.join(map(str, low))} and < {'.'.join(map(str, high))}; "
-            f"found {'.'.join(map(str, version))}. The seams it replaces (see DESIGN.md) are version-specific."
+            f"found {'.'.join(map(str, version))}. The seams it replaces (see docs/design.md) are version-specific."
         )

@@ -293,7 +293,7 @@ def prepare(cfg: FlatgradConfig) -> Iterator[None]:
     if current is not DeepSpeedZeroOptimizer:
         raise UnsupportedConfigError(
             "this DeepSpeed's engine does not build ZeRO-1/2 through deepspeed.runtime.engine.DeepSpeedZeroOptimizer; "
-            "flatgrad's ZeRO-1/2 seam is missing (see DESIGN.md 'DeepSpeed seams')"
+            "flatgrad's ZeRO-1/2 seam is missing (see docs/design.md 'DeepSpeed seams')"
         )
 
     def build(init_optimizer, param_names, *args, **kwargs):

@@ -470,7 +470,7 @@ def _check_seams(opt: Any) -> None:
         version = ".".join(map(str, deepspeed_version()))
         raise UnsupportedConfigError(
             f"DeepSpeed {version}: {cls.__name__} lacks {missing}, which flatgrad's ZeRO-3 backend replaces or "
-            "uses (DESIGN.md 'DeepSpeed seams'); it is written against DeepSpeed 0.19.8"
+            "uses (docs/design.md 'DeepSpeed seams'); it is written against DeepSpeed 0.19.8"
         )
 
 
