@@ -377,11 +377,11 @@ def _agree_on_setup(group: Any, local_error: Exception | None) -> None:
     """
     import torch.distributed as tdist
 
-    from ...reducer import _agree, _agreement_device
+    from ...reducer import agree, agreement_device
 
     rank, world_size = tdist.get_rank(group), tdist.get_world_size(group)
     if world_size > 1:
-        _agree(group, rank, world_size, [], local_error, _agreement_device(group))
+        agree(group, rank, world_size, [], local_error, agreement_device(group))
     if local_error is not None:
         raise local_error
 

@@ -1,0 +1,17 @@
+"""The gradient reducer: buckets of gradients, each reduced by one fused pack, one collective, one fused unpack.
+
+``BucketReducer`` schedules the buckets (hooks, launch order, streams, windows);
+``ReducerConfig`` holds its settings; each reduction mode is one object in
+``modes``; ``pool`` holds the per-micro-step comm buffers; ``agreement`` makes
+every rank raise when the ranks disagree on the buckets.
+"""
+
+from .agreement import LayoutMismatchError, agree, agreement_device
+from .config import REDUCTIONS, ReducerConfig
+from .modes import ExactSum, QuantizedWire, ReduceScatter, ReductionMode, make_mode
+from .reducer import BucketReducer, GradShard, build_buckets
+
+__all__ = [
+    "BucketReducer", "ExactSum", "GradShard", "LayoutMismatchError", "QuantizedWire", "REDUCTIONS", "ReduceScatter",
+    "ReducerConfig", "ReductionMode", "agree", "agreement_device", "build_buckets", "make_mode",
+]  # fmt: skip

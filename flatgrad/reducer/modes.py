@@ -1,0 +1,233 @@
+"""Reduction modes: what moves one bucket from the gradients to this rank's shard.
+
+Each mode is one object that owns its part of a bucket's life: the plan its pack
+runs, the pool buffers it needs, the pack, the collective, and the unpack. The
+reducer (``flatgrad.reducer.reducer``) schedules buckets and never asks which
+mode it runs; adding a mode is one new class here plus its kernels.
+
+[Note: reduction modes]
+``reduction`` picks what moves a bucket (see docs/design.md, "Reduction modes"):
+
+* ``"reduce_scatter"`` (``ReduceScatter``): the comm-dtype buffer, one
+  reduce_scatter in place, the fused unpack of this rank's chunk.
+* ``"exact"`` (``ExactSum``): the comm-dtype buffer goes out through one
+  ``all_to_all`` into a receive buffer of the same size; the unpack
+  (``wire.sum_sources``) reads its W chunks and sums them in fp32 in rank order
+  0..W-1, post-scales (``1/W`` when averaging) and copies or adds into the shard
+  in one pass. Deterministic, same bytes as a reduce_scatter.
+* ``"int8"`` / ``"fp8"`` (``QuantizedWire``): one fused pack-quantize
+  (``wire.PackQuantizePlan``, see [Note: pack-quantize] in
+  ``kernels/wire_reference.py``) reads the gradients through the layout's pack
+  run table and writes the quantized wire (see [Note: wire format] there)
+  straight into a send buffer; one all_to_all moves it, and the unpack
+  (``wire.dequantize_sum``) dequantizes and sums in fp32. There is no comm-dtype
+  buffer in these modes, so ``comm_dtype`` does not round anything: the wire is
+  quantized from fp32 ``grad * prescale``. With ``error_feedback`` a persistent
+  fp32 residual per bucket (``layout.numel`` elements) carries this rank's
+  quantization error into its next quantize.
+
+On a one-rank group nothing is sent, so every mode takes the reduce_scatter
+path (a copy through the comm dtype): a quantized wire would only add its
+rounding, and error feedback would carry it. That is the MoE expert group of
+one rank.
+
+With ``collect_stats`` every unpack returns the same stats (sum of squares and
+non-finite count of the shard as written), so ``shard_stats()`` works in every
+mode.
+
+The receive (and wire) buffers come from pools beside the comm buffer pool (or,
+int8/fp8, instead of it), keyed by purpose, with the same count and the same
+bucket -> buffer assignment, so the hand-off rule of [Note: comm buffer pool]
+covers them too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..kernels import PackPlan, UnpackPlan
+from ..kernels import wire
+from ..layout import Layout
+from .config import ReducerConfig
+
+if TYPE_CHECKING:
+    from .bucket import Bucket
+
+__all__ = ["ExactSum", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "make_mode"]
+
+PoolSlot = tuple[str, int, torch.dtype]  # (purpose, elements per buffer, dtype)
+
+
+class ReductionMode:
+    """The interface every mode implements; see [Note: reduction modes]."""
+
+    name: str = ""
+    block: int = 0
+    error_feedback: bool = False
+
+    def describe(self) -> tuple:
+        """What every rank must agree on about this mode (part of [Note: layout agreement])."""
+        return (self.name, self.block, self.error_feedback)
+
+    def averaging(
+        self, average: bool, world_size: int, dtype: torch.dtype, group: dist.ProcessGroup | None, device: torch.device
+    ) -> comm.Averaging:
+        """How this mode averages over ``world_size`` ranks (see [Note: averaging] in ``flatgrad.comm``)."""
+        if not average:
+            return comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0)
+        return comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0 / world_size)  # the unpack sums in fp32: average there
+
+    def pack_plan(self, layout: Layout, count: int, dtype: torch.dtype, device: torch.device, backend: str | None) -> Any:
+        """The bucket's pack plan, validated once (see [Note: plans] in ``flatgrad/kernels/_plan.py``)."""
+        return PackPlan(layout, [None] * count, dtype=dtype, device=device, backend=backend)
+
+    def residual(self, layout: Layout, device: torch.device) -> torch.Tensor | None:
+        """The persistent per-bucket state this mode carries between steps (``None``: none)."""
+        return None
+
+    def prepare(self, b: "Bucket") -> None:
+        """Resolve at construction what the bucket's unpack needs, so that a missing kernel fails there."""
+
+    def pool_dtype(self, comm_dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype that keys this mode's pool: buckets of one device and pool dtype share buffers."""
+        return comm_dtype
+
+    def pool_slots(self, buckets: Sequence["Bucket"], world_size: int) -> list[PoolSlot]:
+        """The buffers one pool slot holds for ``buckets`` (which share a device and pool dtype)."""
+        raise NotImplementedError
+
+    def bind(self, b: "Bucket", purpose: str, buffer: torch.Tensor, rank: int, world_size: int) -> None:
+        """Give ``b`` its views of the pool buffer of ``purpose`` for this micro-step."""
+        raise NotImplementedError
+
+    def pack(self, b: "Bucket", grads: list[torch.Tensor | None]) -> None:
+        """Fill what the bucket's collective sends."""
+        raise NotImplementedError
+
+    def start(self, b: "Bucket", group: dist.ProcessGroup | None, collectives: comm.Collectives | None) -> Any:
+        """Start the bucket's collective (async); returns its work handle or ``None``."""
+        raise NotImplementedError
+
+    def unpack(self, b: "Bucket", rank: int, world_size: int, collect_stats: bool) -> torch.Tensor | None:
+        """Write (or add) what arrived into ``b.shard``; returns the stats when ``collect_stats``."""
+        raise NotImplementedError
+
+
+class ReduceScatter(ReductionMode):
+    """Comm-dtype buffer, one in-place reduce_scatter, the fused unpack of this rank's chunk."""
+
+    name = "reduce_scatter"
+
+    def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
+        if not average:
+            return comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0)
+        return comm.averaging(world_size, dtype, group, device)
+
+    def pool_slots(self, buckets, world_size) -> list[PoolSlot]:
+        return [("input", max(b.layout.numel for b in buckets), buckets[0].comm_dtype)]
+
+    def bind(self, b, purpose, buffer, rank, world_size) -> None:
+        layout = b.layout
+        b.input = buffer.narrow(0, 0, layout.numel)
+        b.input_chunks = list(b.input.chunk(world_size))
+        # In place: this rank's chunk of the input. World size 1: the whole input.
+        b.output = b.input.narrow(0, rank * layout.shard_numel, layout.shard_numel)
+
+    def pack(self, b, grads) -> None:
+        b.pack_plan(grads, b.input, scale=b.pack_scale)
+
+    def start(self, b, group, collectives) -> Any:
+        return comm.reduce_scatter(
+            b.output, b.input, group=group, op=b.op, async_op=True, method=b.method,
+            input_chunks=b.input_chunks, collectives=collectives,
+        )  # fmt: skip
+
+    def unpack(self, b, rank, world_size, collect_stats) -> torch.Tensor | None:
+        if b.unpack_plan is None:
+            b.unpack_plan = UnpackPlan(b.layout, rank, b.shard, backend=b.backend)
+        return b.unpack_plan(b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate, return_stats=collect_stats)
+
+
+class ExactSum(ReduceScatter):
+    """Comm-dtype buffer, one all_to_all, an fp32 sum over the sources in rank order: deterministic."""
+
+    name = "exact"
+
+    def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
+        return ReductionMode.averaging(self, average, world_size, dtype, group, device)
+
+    def pool_slots(self, buckets, world_size) -> list[PoolSlot]:
+        size = max(b.layout.numel for b in buckets)
+        return [("input", size, buckets[0].comm_dtype), ("recv", size, buckets[0].comm_dtype)]
+
+    def bind(self, b, purpose, buffer, rank, world_size) -> None:
+        if purpose == "recv":
+            b.recv = buffer.narrow(0, 0, b.layout.numel)
+        else:
+            super().bind(b, purpose, buffer, rank, world_size)
+
+    def start(self, b, group, collectives) -> Any:
+        return comm.all_to_all(b.recv, b.input, group=group, async_op=True, collectives=collectives)
+
+    def prepare(self, b) -> None:
+        b.wire_kernels = wire.wire_kernels(b.backend)
+
+    def unpack(self, b, rank, world_size, collect_stats) -> torch.Tensor | None:
+        return b.wire_kernels.sum_sources(b.recv, world_size, b.shard, b.unpack_scale, b.accumulate, collect_stats)
+
+
+class QuantizedWire(ReductionMode):
+    """int8 or fp8 blocks with fp32 scales: one fused pack-quantize, one all_to_all, dequantize + fp32 sum."""
+
+    def __init__(self, kind: str, block: int, error_feedback: bool) -> None:
+        self.name = kind
+        self.block = block
+        self.error_feedback = error_feedback
+
+    def pack_plan(self, layout, count, dtype, device, backend) -> Any:
+        return wire.PackQuantizePlan(layout, [None] * count, block=self.block, kind=self.name, device=device, backend=backend)
+
+    def residual(self, layout, device) -> torch.Tensor | None:
+        if not self.error_feedback:
+            return None
+        return torch.zeros(layout.numel, dtype=torch.float32, device=device)  # persistent, zero at the start
+
+    def pool_dtype(self, comm_dtype) -> torch.dtype | None:
+        return None  # the wire is bytes whatever the comm dtype: one pool per device
+
+    def pool_slots(self, buckets, world_size) -> list[PoolSlot]:
+        nbytes = max(world_size * wire.segment_bytes(b.layout.shard_numel, self.block) for b in buckets)
+        return [("wire_send", nbytes, torch.uint8), ("wire_recv", nbytes, torch.uint8)]
+
+    def bind(self, b, purpose, buffer, rank, world_size) -> None:
+        setattr(b, purpose, buffer.narrow(0, 0, b.pack_plan.wire_bytes))
+
+    def pack(self, b, grads) -> None:
+        b.pack_plan(grads, b.wire_send, b.residual, scale=b.pack_scale)
+
+    def start(self, b, group, collectives) -> Any:
+        return comm.all_to_all(b.wire_recv, b.wire_send, group=group, async_op=True, collectives=collectives)
+
+    def prepare(self, b) -> None:
+        b.wire_kernels = wire.wire_kernels(b.backend)
+
+    def unpack(self, b, rank, world_size, collect_stats) -> torch.Tensor | None:
+        return b.wire_kernels.dequantize_sum(
+            b.wire_recv, world_size, self.block, self.name, b.shard, b.unpack_scale, b.accumulate, collect_stats
+        )
+
+
+def make_mode(config: ReducerConfig, world_size: int) -> ReductionMode:
+    """The mode ``config`` names, for a group of ``world_size`` ranks.
+
+    A one-rank group sends nothing, so every mode is ``ReduceScatter`` there (see [Note: reduction modes]).
+    """
+    if world_size == 1 or config.reduction == "reduce_scatter":
+        return ReduceScatter()
+    if config.reduction == "exact":
+        return ExactSum()
+    return QuantizedWire(config.reduction, config.block, config.error_feedback)

@@ -1,0 +1,120 @@
+"""The comm buffer pools, taken per micro-step, and the shard arena's offsets.
+
+[Note: comm buffer pool]
+Stock DeepSpeed keeps one or two bucket-sized IPG buffers, not one per bucket,
+and only during a backward (``setup_buckets`` to the epilogue); so does
+flatgrad. The pools are taken at the first launch of a micro-step and given
+back by ``finish()``, so between steps, and in ``step()``, a reducer holds no
+comm buffer: the optimizer step's own temporaries (gloo's all_gather staging,
+the optimizer's) reuse that memory. On CUDA the caching allocator serves them
+from its cache, on the stream current at the first launch; ``finish()`` has
+made that stream wait on the side streams and records the buffers on them
+before dropping them. The buckets of one device and pool dtype share
+``comm_buffers`` buffers (default 2), each as large as the largest of those
+buckets, so a pool too small for a bucket cannot be built. Bucket ``k`` uses
+buffer ``k mod comm_buffers``: launches are in bucket order, so the
+assignment is static and every rank uses the same one. Before bucket ``k``
+packs, bucket ``k - comm_buffers`` (the buffer's previous occupant in this
+micro-step) must have been unpacked: on CUDA ``pack_stream`` waits on that
+bucket's ``unpacked`` event, on CPU the reducer unpacks it first, waiting on
+its collective's ``Work``. With two or more buffers the pack of bucket
+``k + 1`` therefore still runs while bucket ``k``'s collective is in flight.
+Across micro-steps nothing is needed: ``finish()`` has drained everything.
+What one pool slot holds is the mode's: ``ReductionMode.pool_slots``.
+
+The reduce_scatter runs in place: its output is the rank's chunk
+``buffer[rank * S : (rank + 1) * S]`` of its input. NCCL's reduce_scatter
+defines that case (recvbuff == sendbuff + rank * recvcount), and gloo's list
+and tensor forms give the same bits in place as out of place (checked in
+``tests/test_comm.py``), so no backend here needs a separate output buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .bucket import Bucket
+
+__all__ = ["CommPools", "PoolPlan", "arena_offsets"]
+
+
+class PoolPlan(NamedTuple):
+    """One pool: its key, how many buffers, elements per buffer, dtype, and the buckets that share it."""
+
+    key: tuple
+    count: int
+    size: int
+    dtype: torch.dtype
+    purpose: str
+    buckets: list[Bucket]
+
+
+class CommPools:
+    """The pools of one reducer: planned once, taken at a micro-step's first launch, given back by ``finish()``."""
+
+    def __init__(self, buckets: Sequence[Bucket], comm_buffers: int, rank: int, world_size: int) -> None:
+        members: dict[tuple[torch.device, torch.dtype | None], list[Bucket]] = {}
+        for b in buckets:
+            members.setdefault((b.device, b.mode.pool_dtype(b.comm_dtype)), []).append(b)
+        self.plan: list[PoolPlan] = []
+        for (device, dtype), group in members.items():
+            count = min(comm_buffers, len(group))
+            for k, b in enumerate(group):
+                b.previous = group[k - count] if k >= count else None
+            for purpose, size, slot_dtype in group[0].mode.pool_slots(group, world_size):
+                key = (device, dtype) if purpose == "input" else (purpose, device, dtype)
+                self.plan.append(PoolPlan(key, count, size, slot_dtype, purpose, group))
+        self.buckets = list(buckets)
+        self.rank = rank
+        self.world_size = world_size
+        self.taken: dict[tuple, list[torch.Tensor]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every pool buffer, held from a micro-step's first launch to its ``finish()`` only."""
+        return sum(p.count * p.size * p.dtype.itemsize for p in self.plan)
+
+    def acquire(self) -> None:
+        """Take the pools for this micro-step (if not taken yet) and give every bucket its views."""
+        if self.taken is not None:
+            return
+        taken: dict[tuple, list[torch.Tensor]] = {}
+        for p in self.plan:
+            device = p.buckets[0].device
+            pool = taken[p.key] = [torch.empty(p.size, dtype=p.dtype, device=device) for _ in range(p.count)]
+            for k, b in enumerate(p.buckets):
+                b.mode.bind(b, p.purpose, pool[k % p.count], self.rank, self.world_size)
+        self.taken = taken
+
+    def release(self) -> None:
+        """Give the pools back once every unpack of the micro-step is done."""
+        if self.taken is None:
+            return
+        for b in self.buckets:
+            b.unbind()
+        side = {s for b in self.buckets for s in (b.pack_stream, b.unpack_stream) if s is not None}
+        for pool in self.taken.values():
+            for t in pool:
+                for stream in side:  # the caching allocator reuses them only after the side streams' work
+                    t.record_stream(stream)
+        self.taken = None
+
+
+def arena_offsets(order: Sequence[int] | None, layouts: Sequence, devices: Sequence[torch.device]) -> list[int] | None:
+    """Each bucket's offset in the shard arena: bucket ``b`` is the ``order[b]``-th slice. See [Note: shard lifetime]."""
+    if order is None:
+        return None
+    if isinstance(order, torch.Tensor) or not isinstance(order, Sequence) or sorted(order) != list(range(len(layouts))):
+        raise ValueError(
+            f"shard_arena must be a permutation of range({len(layouts)}) (one arena position per bucket), got {order!r}"
+        )
+    if len(set(devices)) > 1:
+        raise ValueError(f"shard_arena needs every bucket on one device, got {sorted(map(str, set(devices)))}")
+    numels = [0] * len(layouts)
+    for b, position in enumerate(order):
+        numels[position] = layouts[b].shard_numel
+    starts = [0, *itertools.accumulate(numels)]
+    return [starts[position] for position in order]

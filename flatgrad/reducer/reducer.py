@@ -1,0 +1,577 @@
+"""BucketReducer: per bucket, one fused pack, one async reduce_scatter, one fused unpack into an fp32 shard.
+
+Engine-agnostic: plain PyTorch uses it directly (``build_buckets`` + hooks), the
+DeepSpeed integration drives it from its own hooks (``register_hooks=False``).
+
+[Note: bucket lifecycle]
+A bucket is a list of parameters whose gradients become ready together in
+backward. At construction every bucket gets a static ``Layout`` over its params'
+numels (bucket order = layout order) and a slot in the reducer's pool of comm
+buffers (see [Note: comm buffer pool]). Per micro-step:
+
+1. ``mark_ready(param)`` (the post-accumulate-grad hook) counts the bucket down;
+2. when it reaches zero, and every earlier bucket has been launched (see
+   [Note: launch order]), the bucket waits until its comm buffer's previous
+   occupant has been unpacked, one fused ``pack`` fills the buffer (cast to the
+   comm dtype, pre-scale, zero padding; a param without a gradient is passed
+   as None and packs as zeros, so no zeros tensor is ever made; int8/fp8: one
+   fused pack-quantize fills the send wire instead, see [Note: reduction modes]),
+   ``param.grad`` is dropped, and one async ``reduce_scatter`` starts,
+   in place: its output is this rank's own chunk of the buffer;
+3. one fused ``unpack`` casts that chunk to the shard dtype (fp32), post-scales
+   it, and copies it into the bucket's ``shard`` on the first micro-step of an
+   accumulation window or adds it afterwards (see [Note: shard lifetime]);
+4. ``finish()`` launches what is left, waits for everything, and the shards
+   are final for this micro-step.
+
+Nothing on this path syncs the host or rebuilds a table. The pool's plan is
+made once and its buffers are taken per micro-step; a bucket's shard is made
+at its first unpack of an accumulation window. A non-contiguous gradient is copied to a contiguous one before
+packing (off the common path).
+
+[Note: shard lifetime]
+The fp32 shards live only while a gradient is being accumulated or waits to
+be consumed. A bucket's shard is allocated when the bucket is first launched
+in an accumulation window (its first unpack copies, later ones add), and all
+are released by ``zero_grad()``, which the owner calls once the optimizer has
+consumed them. Between steps a reducer therefore holds only its comm
+buffers. By default each shard is allocated on its own, as its bucket is
+launched, so that the shards come into being as the gradients they replace
+are dropped. With ``shard_arena`` the first launch of a window allocates one
+arena that all shards are slices of, in the order the caller asks: what an
+optimizer needs to update many buckets' partitions as one tensor, and what
+stock ZeRO-2 does with its own partition buffer (``grads_in_partition``,
+allocated whole at its first bucket). The arena costs memory only in the
+first micro-step of a window, between the first and the last launch
+(measured in ``bench/memory.py``). On CUDA the caching allocator serves
+these from its cache after the first step, with no device allocation.
+``grad_shards()`` hands out the current window's shards; a caller that keeps
+one keeps its memory alive (a shard is dropped, never resized under a view).
+
+[Note: launch order]
+Collectives are matched across ranks by the order they are issued in, not by
+name. Buckets are therefore launched strictly in bucket order: a bucket whose
+gradients are all ready waits until every earlier bucket has been launched
+(as DDP's reducer does). Ranks whose backward orders differ (data-dependent
+control flow, a param unused on one rank only) still issue the same sequence
+of collectives; they only overlap less.
+
+[Note: streams]
+On CUDA three streams take part, each for one reason:
+
+* the current stream (autograd's, as seen in the hook) produces ``param.grad``
+  and, after ``finish()``, consumes the shards (the optimizer);
+* ``pack_stream`` packs bucket ``k`` while the current stream computes the
+  gradients of bucket ``k + 1``. It waits on the stream current in each
+  param's hook as the param becomes ready, and on the current stream again at
+  launch (the gradients must be complete: a bucket held back by
+  [Note: launch order] is launched from a later hook, possibly on another
+  stream, e.g. for layers run on a side stream); each gradient is ``record_stream``-ed on it
+  before ``param.grad`` drops the last reference, so the caching allocator
+  does not hand the memory out while the pack still reads it. The collective
+  is issued from this stream, so NCCL orders it after the pack;
+* ``unpack_stream`` waits on the collective (``work.wait()`` under it, which
+  blocks no host thread on NCCL) and unpacks into the shard. It is separate
+  from ``pack_stream`` so that the pack of bucket ``k + 1`` does not queue
+  behind the collective of bucket ``k``.
+
+Within a micro-step a pooled comm buffer is handed from unpack to pack by
+the ``unpacked`` event of its previous occupant (see [Note: comm buffer
+pool]). ``finish()`` makes the current stream wait on ``unpack_stream``. The
+next micro-step's pack waits on the current stream, hence on every earlier
+unpack, so a comm buffer or shard is never written while a previous reader
+may still be running. The shard arena is allocated on the current stream
+(outside the side-stream contexts) and dropped after ``finish()`` has made
+the current stream wait for every unpack, so the caching allocator can reuse
+it safely. On CPU (gloo) the collective runs on gloo's threads; the pack runs
+in the hook, and the unpack of a bucket runs as soon as its collective is
+found complete at a later launch, when its buffer is needed again, or in
+``finish()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from typing import Any, Iterable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..kernels import DTYPES, resolve_backend
+from ..layout import Layout, Piece, split_numels
+from .agreement import LayoutMismatchError, agree, agreement_device
+from .bucket import Bucket, describe_param
+from .config import ReducerConfig
+from .modes import make_mode
+from .pool import CommPools, arena_offsets
+
+__all__ = ["BucketReducer", "GradShard", "LayoutMismatchError", "ReducerConfig", "build_buckets"]
+
+
+class GradShard(NamedTuple):
+    """One bucket's gradient shard on this rank and what it holds.
+
+    Attributes:
+        bucket_id: index of the bucket.
+        shard: tensor of ``layout.shard_numel`` elements (padding included), of the
+            reducer's ``accum_dtype`` (fp32 by default).
+        layout: the bucket's layout.
+        params: the bucket's params, in layout order.
+        pieces: ``layout.pieces(rank)``: which slice of which param lies where in ``shard``.
+    """
+
+    bucket_id: int
+    shard: torch.Tensor
+    layout: Layout
+    params: list[nn.Parameter]
+    pieces: list[Piece]
+
+
+def build_buckets(params: Iterable[torch.Tensor] | nn.Module, bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Group the trainable params into buckets of about ``bucket_numel`` elements, in backward order.
+
+    Backward order is taken as reverse registration order. The cuts are
+    ``flatgrad.layout.split_numels``'s (a small param joins the next large one
+    rather than making a collective of its own), and a bucket never mixes
+    devices or dtypes. Given a module, modules that make sparse gradients
+    (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are refused.
+    """
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be an int >= 1, got {bucket_numel!r}")
+    if isinstance(params, nn.Module):
+        for name, module in params.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+                raise ValueError(f"module {name!r} makes sparse gradients (sparse=True); flatgrad reduces dense ones")
+        params = params.parameters()
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of parameters or a module, not one tensor")
+    seen: set[int] = set()
+    ordered = []
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{i}] is a {type(p).__name__}, not a tensor")
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            ordered.append(p)
+    ordered.reverse()
+    buckets: list[list[nn.Parameter]] = []
+    start = 0
+    for end in range(1, len(ordered) + 1):  # runs of one device and dtype, each cut by split_numels
+        if end == len(ordered) or (ordered[end].device, ordered[end].dtype) != (ordered[start].device, ordered[start].dtype):
+            run = ordered[start:end]
+            buckets += [run[a:b] for a, b in split_numels([p.numel() for p in run], bucket_numel)]
+            start = end
+    return buckets
+
+
+class BucketReducer:
+    """Reduce-scatters gradients bucket by bucket into persistent fp32 shards. See [Note: bucket lifecycle].
+
+    Args:
+        buckets: lists of params, in the order their gradients become ready
+            (``build_buckets`` makes them). Each list is one bucket; the params
+            must require grad, be dense and share one device.
+        config: how every bucket is reduced (``ReducerConfig``); its fields may
+            also be given as keyword arguments (``comm_dtype=torch.bfloat16``),
+            but not both.
+        process_group: the data-parallel group (``None``: the default group).
+        register_hooks: register a post-accumulate-grad hook on every param
+            that calls ``mark_ready``; ``False`` when the caller has its own hooks.
+        collectives: what issues the collectives (``None``: ``torch.distributed``); see
+            [Note: collectives seam] in ``flatgrad.comm``.
+        shard_arena: ``None`` (each shard allocated on its own), or one arena position per
+            bucket: the window's shards are then slices of one tensor, bucket ``b`` the
+            ``shard_arena[b]``-th, so that an optimizer can update them as one tensor
+            (see [Note: shard lifetime]).
+
+    Attributes:
+        config: the ``ReducerConfig``.
+        mode: the ``ReductionMode`` every bucket runs (see [Note: reduction modes] in
+            ``flatgrad.reducer.modes``).
+        buckets: the buckets, as lists of params in layout order.
+        layouts: one ``Layout`` per bucket.
+        rank: this rank in ``process_group``.
+        world_size: size of ``process_group``.
+        kernel_backends: the flatgrad kernel backend each bucket packs and unpacks with.
+        comm_buffer_bytes: bytes of the comm buffer pools (comm buffers, and the all_to_all
+            modes' receive or wire buffers), held from a micro-step's first launch to its
+            ``finish()`` only.
+        shard_bytes: bytes of the shards of one accumulation window (held only during one).
+        residual_bytes: bytes of the error-feedback residuals (held all the time; 0 without).
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[Sequence[nn.Parameter]],
+        config: ReducerConfig | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        register_hooks: bool = True,
+        collectives: comm.Collectives | None = None,
+        shard_arena: Sequence[int] | None = None,
+        **options: Any,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "BucketReducer needs an initialized process group: call torch.distributed.init_process_group first"
+            )
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of process_group")
+        local_error: Exception | None = None
+        description: list[tuple] = []
+        try:
+            config = _config(config, options)
+            if collectives is not None and not isinstance(collectives, comm.Collectives):
+                raise TypeError(f"collectives must be a flatgrad.comm.Collectives or None, got {type(collectives).__name__}")
+            self.config = config
+            self.mode = make_mode(config, self.world_size)
+            plans = self._plan(buckets, register_hooks)
+            offsets = arena_offsets(shard_arena, [plan["layout"] for plan in plans], [plan["device"] for plan in plans])
+            description = [plan["description"] for plan in plans]
+        except Exception as exc:  # exchanged below so that every rank raises, then re-raised
+            local_error = exc
+        if self.world_size > 1:
+            agree(process_group, self.rank, self.world_size, description, local_error, agreement_device(process_group))
+        if local_error is not None:
+            raise local_error
+        self.accum_dtype = config.accum_dtype
+        self.collect_stats = bool(config.collect_stats)
+        self._collectives = collectives
+        self._buckets = [self._bucket(i, plan) for i, plan in enumerate(plans)]
+        self._comm = CommPools(self._buckets, config.comm_buffers, self.rank, self.world_size)
+        self.buckets: list[list[nn.Parameter]] = [list(b.params) for b in self._buckets]
+        self.layouts: list[Layout] = [b.layout for b in self._buckets]
+        self.kernel_backends: list[str] = [plan["backend"] for plan in plans]
+        self.comm_buffer_bytes: int = self._comm.nbytes
+        self.shard_bytes: int = sum(b.layout.shard_numel for b in self._buckets) * self.accum_dtype.itemsize
+        self._arena_offsets = offsets
+        self._arena: torch.Tensor | None = None
+        self.residual_bytes: int = sum(b.residual.nbytes for b in self._buckets if b.residual is not None)
+        self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._next = 0  # the first bucket not launched yet this micro-step; see [Note: launch order]
+        self._in_step = False  # some bucket was marked or launched since the last finish()
+        self._inflight: deque[Bucket] = deque()  # CPU: launched buckets not unpacked yet
+        self._lock = threading.Lock()  # hooks of several devices run on their own autograd threads
+        self._hooks: list[Any] = []
+        if register_hooks:
+            for b in self._buckets:
+                for p in b.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self.mark_ready))
+                    _HOOKED[id(p)] = (weakref.ref(p), weakref.ref(self))
+
+    # ------------------------------------------------------------------ setup
+
+    def _plan(self, buckets: Sequence[Sequence[nn.Parameter]], register_hooks: bool) -> list[dict]:
+        """Validate the buckets and describe every one; allocates nothing."""
+        cfg = self.config
+        if isinstance(buckets, torch.Tensor) or not isinstance(buckets, Sequence) or not buckets:
+            raise TypeError("buckets must be a non-empty list of lists of parameters")
+        seen: dict[int, tuple[int, int]] = {}
+        plans = []
+        for b, params in enumerate(buckets):
+            if isinstance(params, torch.Tensor) or not isinstance(params, Sequence) or not params:
+                raise TypeError(f"buckets[{b}] must be a non-empty list of parameters")
+            for i, p in enumerate(params):
+                where = f"buckets[{b}][{i}] ({describe_param(p) if isinstance(p, torch.Tensor) else type(p).__name__})"
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"{where} is not a tensor")
+                if p.layout != torch.strided or (p.grad is not None and p.grad.layout != torch.strided):
+                    raise ValueError(f"{where} is sparse; flatgrad reduces dense gradients only")
+                if not p.requires_grad:
+                    raise ValueError(f"{where} does not require grad; leave it out of the buckets")
+                if p.dtype not in DTYPES:
+                    raise ValueError(f"{where} has dtype {p.dtype}; supported: fp32, bf16, fp16")
+                if p.device != params[0].device:
+                    raise ValueError(
+                        f"{where} is on {p.device} but buckets[{b}][0] is on {params[0].device}; one device per bucket"
+                    )
+                if register_hooks and _hook_owner(p) is not None:
+                    raise ValueError(
+                        f"{where} already has the gradient hook of another BucketReducer, whose pack frees "
+                        "param.grad: call remove_hooks() on that reducer first"
+                    )
+                if id(p) in seen:
+                    raise ValueError(f"{where} is the same param as buckets[{seen[id(p)][0]}][{seen[id(p)][1]}]")
+                seen[id(p)] = (b, i)
+            device = params[0].device
+            dtypes = {p.dtype for p in params}
+            if cfg.comm_dtype is None and len(dtypes) > 1:
+                raise ValueError(f"buckets[{b}] mixes dtypes {sorted(map(str, dtypes))}; pass comm_dtype=")
+            dtype = cfg.comm_dtype if cfg.comm_dtype is not None else params[0].dtype
+            layout = Layout.make(cfg.layout, [p.numel() for p in params], self.world_size, cfg.align)
+            avg = self.mode.averaging(cfg.average, self.world_size, dtype, self.process_group, device)
+            method = comm.resolve_method(cfg.method, self.process_group, device)
+            backend = getattr(resolve_backend(cfg.backend, device), "name", None)
+            description = (
+                cfg.layout, cfg.align, str(dtype), str(avg.op), method, self.mode.describe(),
+                tuple((tuple(p.shape), str(p.dtype)) for p in params),
+            )  # fmt: skip
+            plans.append(
+                dict(
+                    params=tuple(params), layout=layout, device=device, dtype=dtype, avg=avg, method=method,
+                    backend=backend, description=description,
+                )
+            )  # fmt: skip
+        return plans
+
+    def _bucket(self, bucket_id: int, plan: dict) -> Bucket:
+        """A bucket's static plan and per-micro-step state (its buffers come from the pool)."""
+        device = plan["device"]
+        return Bucket(
+            bucket_id, plan["params"], plan["layout"], self.rank, comm_dtype=plan["dtype"], averaging=plan["avg"],
+            method=plan["method"], backend=plan["backend"], mode=self.mode, prescale=self.config.prescale,
+            postscale=self.config.postscale, streams=_side_streams(device) if device.type == "cuda" else None,
+        )  # fmt: skip
+
+    @property
+    def _pools(self) -> dict[tuple, list[torch.Tensor]] | None:
+        """The pool buffers taken for this micro-step (``None`` between micro-steps)."""
+        return self._comm.taken
+
+    def _acquire_pools(self) -> None:
+        """Take the pools for this micro-step, on the stream current there; see [Note: comm buffer pool]."""
+        self._comm.acquire()
+
+    # ------------------------------------------------------------------ hot path
+
+    def mark_ready(self, param: nn.Parameter) -> None:
+        """Record that ``param.grad`` is final for this micro-step; launch every bucket that can go.
+
+        Called by the post-accumulate-grad hook, or by an integration's own hook.
+        """
+        where = self._where.get(param)
+        if where is None:
+            raise KeyError(f"param ({describe_param(param)}) is not in any bucket of this reducer")
+        bucket, i = where
+        with self._lock:
+            if bucket.ready[i] or bucket.launched:
+                raise RuntimeError(
+                    f"bucket {bucket.id} param {i} ({describe_param(param)}) became ready twice in one micro-step: "
+                    "call finish() after every backward, and run one backward per micro-step"
+                )
+            grad = param.grad
+            if grad is not None and grad.layout != torch.strided:
+                raise ValueError(
+                    f"bucket {bucket.id} param {i} ({describe_param(param)}) got a sparse gradient; "
+                    "flatgrad reduces dense gradients only"
+                )
+            if bucket.pack_stream is not None:
+                # The hook runs on the stream this param's gradient was made on, which need not be
+                # the stream of the hook that later launches the bucket. See [Note: streams].
+                bucket.pack_stream.wait_stream(torch.cuda.current_stream(bucket.device))
+            bucket.ready[i] = True
+            bucket.pending -= 1
+            self._in_step = True
+            buckets = self._buckets
+            while self._next < len(buckets) and buckets[self._next].pending == 0:
+                self._launch(buckets[self._next])
+                self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        """Pack, drop the grads, start the collective (and on CUDA queue the unpack)."""
+        grads = b.grads()
+        self._comm.acquire()
+        if b.pack_stream is None:
+            if b.previous is not None and b.previous.in_flight:
+                self._drain(block=True, through=b.previous)  # its comm buffer is this bucket's
+            b.pack(grads)
+            b.work = b.start(self.process_group, self.rank, self._collectives)
+            b.in_flight = True
+            self._inflight.append(b)
+        else:
+            # See [Note: streams]. The shard is allocated on the current stream: see [Note: shard lifetime].
+            self._ensure_shard(b)
+            current = torch.cuda.current_stream(b.device)
+            b.pack_stream.wait_stream(current)
+            if b.previous is not None:
+                b.pack_stream.wait_event(b.previous.unpacked)  # see [Note: comm buffer pool]
+            with torch.cuda.stream(b.pack_stream):
+                b.pack(grads)
+                for g in grads:
+                    if g is not None:
+                        g.record_stream(b.pack_stream)
+                b.work = b.start(self.process_group, self.rank, self._collectives)
+            with torch.cuda.stream(b.unpack_stream):
+                if b.work is not None:
+                    b.work.wait()
+                else:
+                    b.unpack_stream.wait_stream(b.pack_stream)
+                self._unpack(b)
+                b.unpacked.record(b.unpack_stream)
+        for p in b.params:
+            p.grad = None
+        b.launched = True
+        if self._inflight:
+            self._drain(block=False)
+
+    def _ensure_shard(self, b: Bucket) -> None:
+        """Give ``b`` its shard for this window if it has none; its first unpack then copies. See [Note: shard lifetime]."""
+        if b.shard is not None:
+            return
+        if self._arena_offsets is None:
+            b.shard = torch.empty(b.layout.shard_numel, dtype=self.accum_dtype, device=b.device)
+            b.accumulate = False
+            return
+        self._arena = torch.empty(self.shard_bytes // self.accum_dtype.itemsize, dtype=self.accum_dtype, device=b.device)
+        for bb, offset in zip(self._buckets, self._arena_offsets):
+            bb.shard = self._arena.narrow(0, offset, bb.layout.shard_numel)
+            bb.accumulate = False
+
+    def _unpack(self, b: Bucket) -> None:
+        self._ensure_shard(b)
+        b.unpack(self.rank, self.world_size, self.collect_stats)
+
+    def _drain(self, block: bool, through: Bucket | None = None) -> None:
+        """CPU: unpack launched buckets in launch order.
+
+        Waits for their collectives if ``block``; with ``through``, waits up to
+        and including that bucket only.
+        """
+        while self._inflight:
+            b = self._inflight[0]
+            if b.work is not None:
+                if not block and not b.work.is_completed():
+                    return
+                try:
+                    b.work.wait()
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"flatgrad: {b.mode.name} of bucket {b.id} failed on rank {self.rank} "
+                        f"(world size {self.world_size}): {exc}"
+                    ) from exc
+            self._unpack(b)
+            b.in_flight = False
+            self._inflight.popleft()
+            if b is through:
+                return
+
+    # ------------------------------------------------------------------ epilogue
+
+    def finish(self) -> None:
+        """Launch the buckets still waiting (missing grads count as zero), wait for all; shards are final."""
+        with self._lock:
+            for b in self._buckets[self._next :]:
+                self._launch(b)
+            self._next = len(self._buckets)
+            self._drain(block=True)
+            streams = {b.unpack_stream for b in self._buckets if b.unpack_stream is not None}
+            for stream in streams:
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
+            self._comm.release()
+            for b in self._buckets:
+                b.reset()
+            self._next = 0
+            self._in_step = False
+
+    def zero_grad(self) -> None:
+        """Start a new accumulation window and release the shards (see [Note: shard lifetime]).
+
+        Call it once the optimizer has consumed the shards; the next micro-step
+        allocates fresh ones and copies into them instead of adding.
+        """
+        if self._in_step:
+            raise RuntimeError("zero_grad() in the middle of a micro-step: call finish() first")
+        for b in self._buckets:
+            b.shard = None
+            b.stats = None
+        self._arena = None
+
+    def grad_shards(self) -> list[GradShard]:
+        """Every bucket's shard with its layout, params and pieces (valid after ``finish()``, until ``zero_grad()``)."""
+        if self._in_step or any(b.shard is None for b in self._buckets):
+            raise RuntimeError(
+                "no gradient shards: none were reduced since the last zero_grad(), or a micro-step is still "
+                "running (run a backward and finish() first)"
+            )
+        return [GradShard(b.id, b.shard, b.layout, list(b.params), list(b.pieces)) for b in self._buckets]
+
+    @property
+    def shard_arena(self) -> torch.Tensor | None:
+        """With ``shard_arena``: the one tensor every bucket's shard is a slice of (``None`` outside a window)."""
+        return self._arena
+
+    @property
+    def stats_available(self) -> bool:
+        """Whether every unpack computes the stats ``shard_stats()`` returns (every reduction mode's does)."""
+        return self.collect_stats
+
+    def shard_stats(self) -> list[torch.Tensor]:
+        """Per bucket, fp32 ``[sum_sq, nonfinite_count]`` of its shard as the last unpack wrote it.
+
+        Needs ``collect_stats``; valid after ``finish()``. Computed in the unpack's own
+        pass, so reading them costs no pass over the shards.
+        """
+        if not self.stats_available:
+            raise RuntimeError("shard_stats() needs a reducer made with collect_stats=True")
+        if self._in_step or any(b.stats is None for b in self._buckets):
+            raise RuntimeError("no shard stats: a bucket was not unpacked since the last zero_grad(), or finish() is due")
+        return [b.stats for b in self._buckets]
+
+    def plan_bytes(self) -> int:
+        """Bytes of the buckets' pack and unpack plans' tensor tables (metadata, counted in memory figures)."""
+        plans = [b.pack_plan for b in self._buckets] + [b.unpack_plan for b in self._buckets if b.unpack_plan]
+        return sum(plan.table_bytes for plan in plans)
+
+    def metadata_bytes(self) -> int:
+        """Bytes kept besides gradients and comm buffers: plan tables; inside a window, the stats (8 B a bucket)."""
+        return self.plan_bytes() + sum(b.stats.nbytes for b in self._buckets if b.stats is not None)
+
+    def has_shards(self) -> bool:
+        """Whether any bucket holds a shard (an accumulation window is open)."""
+        return any(b.shard is not None for b in self._buckets)
+
+    def remove_hooks(self) -> None:
+        """Remove the post-accumulate-grad hooks this reducer registered."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for b in self._buckets:
+            for p in b.params:
+                if _hook_owner(p) is self:
+                    del _HOOKED[id(p)]
+
+
+
+def _config(config: ReducerConfig | None, options: dict[str, Any]) -> ReducerConfig:
+    """The reducer's config: ``config``, or one made of the keyword ``options``, never both."""
+    unknown = sorted(set(options) - set(ReducerConfig.fields()))
+    if unknown:
+        raise TypeError(f"BucketReducer got unexpected keyword argument(s) {unknown}; see ReducerConfig for the settings")
+    if config is None:
+        return ReducerConfig(**options)
+    if not isinstance(config, ReducerConfig):
+        raise TypeError(f"config must be a flatgrad.reducer.ReducerConfig, got {type(config).__name__}")
+    if options:
+        raise TypeError(f"pass the settings in config or as keyword arguments, not both (got config and {sorted(options)})")
+    return config
+
+
+_STREAMS: dict[torch.device, tuple[Any, Any]] = {}
+
+# Params whose post-accumulate-grad hook belongs to a live reducer: a second one would see the
+# gradient the first one's pack already freed, and reduce zeros. Keyed by id (tensors compare
+# elementwise), with weak references so that neither params nor reducers are kept alive.
+_HOOKED: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _hook_owner(p: torch.Tensor) -> "BucketReducer | None":
+    entry = _HOOKED.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
+
+
+def _side_streams(device: torch.device) -> tuple[Any, Any]:
+    """The (pack_stream, unpack_stream) pair of ``device``, shared by every bucket there. See [Note: streams]."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _STREAMS:
+        _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _STREAMS[device]
