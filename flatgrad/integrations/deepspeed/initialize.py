@@ -20,7 +20,7 @@ import dataclasses
 import inspect
 import logging
 import os
-from typing import Any, Callable
+from typing import Any
 
 from .config import (
     SECTION,
@@ -30,6 +30,7 @@ from .config import (
     load_config,
     split_config,
 )
+from .original import original_initialize
 
 __all__ = ["QUIET_VAR", "Plan", "initialize", "plan", "run", "stock_arguments"]
 
@@ -55,15 +56,9 @@ class Plan:
     reason: str = ""
 
 
-def _original_initialize() -> Callable:
-    from .patch import original_initialize
-
-    return original_initialize()
-
-
 def _bind(args: tuple, kwargs: dict) -> dict:
     """The call's arguments by name, as ``deepspeed.initialize`` would bind them."""
-    signature = inspect.signature(_original_initialize())
+    signature = inspect.signature(original_initialize())
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
@@ -207,7 +202,7 @@ def _announce(message: str, cfg: FlatgradConfig) -> None:
 
 def run(p: Plan) -> tuple:
     """Execute a plan: call DeepSpeed, with flatgrad's reduce path on the flatgrad routes."""
-    original = _original_initialize()
+    original = original_initialize()
     if p.route == "stock":
         logger.warning("flatgrad: passing this config to stock DeepSpeed: %s", p.reason)
         return original(**p.arguments)

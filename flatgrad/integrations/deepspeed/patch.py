@@ -16,9 +16,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Callable
+from typing import Any
 
+from . import original
 from .config import UnsupportedConfigError
+from .initialize import plan, run, stock_arguments
+from .original import original_initialize
 
 __all__ = ["ENV_VAR", "is_patched", "original_initialize", "patch", "patch_from_env", "unpatch"]
 
@@ -26,21 +29,7 @@ ENV_VAR = "FLATGRAD_DEEPSPEED"
 
 logger = logging.getLogger("flatgrad.deepspeed")
 
-_original: Callable | None = None
-
-
-def original_initialize() -> Callable:
-    """Stock ``deepspeed.initialize``, whether or not the patch is active."""
-    if _original is not None:
-        return _original
-    import deepspeed
-
-    return deepspeed.initialize
-
-
 def _routed(*args: Any, **kwargs: Any) -> tuple:
-    from .initialize import plan, run, stock_arguments
-
     try:
         p = plan(*args, **kwargs)
     except UnsupportedConfigError as exc:
@@ -51,31 +40,28 @@ def _routed(*args: Any, **kwargs: Any) -> tuple:
 
 def patch() -> None:
     """Make ``deepspeed.initialize`` go through flatgrad (idempotent)."""
-    global _original
     import deepspeed
 
-    if _original is not None:
+    if original.is_saved():
         return
-    _original = deepspeed.initialize
-    routed = functools.wraps(_original)(_routed)
+    original.save(deepspeed.initialize)
+    routed = functools.wraps(deepspeed.initialize)(_routed)
     routed.__flatgrad_patched__ = True  # type: ignore[attr-defined]
     deepspeed.initialize = routed
 
 
 def unpatch() -> None:
     """Restore stock ``deepspeed.initialize`` (idempotent)."""
-    global _original
-    if _original is None:
+    if not original.is_saved():
         return
     import deepspeed
 
-    deepspeed.initialize = _original
-    _original = None
+    deepspeed.initialize = original.forget()
 
 
 def is_patched() -> bool:
     """Whether ``patch()`` is active."""
-    return _original is not None
+    return original.is_saved()
 
 
 def patch_from_env() -> None:
