@@ -8,10 +8,11 @@ every rank raise when the ranks disagree on the buckets.
 
 from .agreement import LayoutMismatchError, agree, agreement_device
 from .config import REDUCTIONS, ReducerConfig
-from .modes import ExactSum, QuantizedWire, ReduceScatter, ReductionMode, make_mode
+from .bucket import Bucket
+from .modes import DividedReduceScatter, ExactSum, QuantizedWire, ReduceScatter, ReductionMode, make_mode
 from .reducer import BucketReducer, GradShard, build_buckets
 
 __all__ = [
-    "BucketReducer", "ExactSum", "GradShard", "LayoutMismatchError", "QuantizedWire", "REDUCTIONS", "ReduceScatter",
+    "Bucket", "BucketReducer", "DividedReduceScatter", "ExactSum", "GradShard", "LayoutMismatchError", "QuantizedWire", "REDUCTIONS", "ReduceScatter",
     "ReducerConfig", "ReductionMode", "agree", "agreement_device", "build_buckets", "make_mode",
 ]  # fmt: skip

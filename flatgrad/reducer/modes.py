@@ -57,7 +57,7 @@ from .config import ReducerConfig
 if TYPE_CHECKING:
     from .bucket import Bucket
 
-__all__ = ["ExactSum", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "make_mode"]
+__all__ = ["DividedReduceScatter", "ExactSum", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "make_mode"]
 
 PoolSlot = tuple[str, int, torch.dtype]  # (purpose, elements per buffer, dtype)
 
@@ -150,6 +150,19 @@ class ReduceScatter(ReductionMode):
         if b.unpack_plan is None:
             b.unpack_plan = UnpackPlan(b.layout, rank, b.shard, backend=b.backend)
         return b.unpack_plan(b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate, return_stats=collect_stats)
+
+
+class DividedReduceScatter(ReduceScatter):
+    """``ReduceScatter`` whose packed buffer is divided by the world size in place before the collective.
+
+    Stock ZeRO-3's arithmetic: ``x / W`` differs from ``x * (1/W)`` unless W is a power of two and
+    nothing was cast before it, so where the fused pre-scale would change bits the buffer is divided
+    as stock divides it (see [Note: ZeRO-3 reduce path]).
+    """
+
+    def pack(self, b, grads) -> None:
+        super().pack(b, grads)
+        b.input.div_(b.layout.world_size)
 
 
 class ExactSum(ReduceScatter):

@@ -78,8 +78,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from ... import comm
-from ...kernels import UnpackPlan, pack, unpack
 from ...layout import Layout
+from ...reducer import Bucket, DividedReduceScatter, ReduceScatter
 from .collectives import deepspeed_collectives
 from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version, offload_device
 
@@ -149,8 +149,7 @@ class _Plan(NamedTuple):
     group: Any
     rank: int
     comm_dtype: torch.dtype
-    pack_scale: float
-    divide_after: bool  # divide the packed buffer by world_size in place (stock's arithmetic)
+    bucket: Bucket  # the pack -> reduce_scatter -> unpack every flatgrad reduction runs
     ds_ids: tuple[int, ...]  # parameters with data in this rank's segment, in segment order
     lengths: tuple[int, ...]  # their piece lengths
     key: tuple  # (bucket dtype, every parameter's ds_id in bucket order): the same on every rank
@@ -179,7 +178,6 @@ class Zero3Reducer:
         self._method = "tensor" if config.reduce_scatter == "auto" else config.reduce_scatter
         self._collectives = deepspeed_collectives()
         self._outs: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
-        self._unpack_plans: dict[tuple, UnpackPlan] = {}
         self.stats = _BackwardStats()
         self._trainable = frozenset(p.ds_id for g in optimizer.fp16_groups for p in g if p.requires_grad)
         self._covers: dict[tuple, bool] = {}
@@ -286,14 +284,19 @@ class Zero3Reducer:
         power_of_two = world_size & (world_size - 1) == 0
         # x * (1/W) has the bits of x / W only for a power-of-two W, and only without a cast before it.
         fused = power_of_two and all(p.dtype == comm_dtype for p in params)
+        bucket = Bucket(
+            0, tuple(params), layout, rank, comm_dtype=comm_dtype,
+            averaging=comm.Averaging(self._dist.ReduceOp.SUM, 1.0 / world_size if fused else 1.0, 1.0),
+            method=self._method, backend=self.config.backend,
+            mode=ReduceScatter() if fused else DividedReduceScatter(), prescale=1.0, postscale=1.0, streams=None,
+        )  # fmt: skip
         pieces = layout.pieces(rank)
         return _Plan(
             layout=layout,
             group=group,
             rank=rank,
             comm_dtype=comm_dtype,
-            pack_scale=1.0 / world_size if fused else 1.0,
-            divide_after=not fused,
+            bucket=bucket,
             ds_ids=tuple(params[p.tensor_index].ds_id for p in pieces),
             lengths=tuple(p.length for p in pieces),
             key=(bucket_dtype, tuple(p.ds_id for p in params)),
@@ -328,25 +331,26 @@ class Zero3Reducer:
             buffer = ipg_buffer.narrow(0, 0, layout.numel)
         else:
             buffer = torch.empty(layout.numel, dtype=plan.comm_dtype, device=device)
-        backend = self.config.backend
-        pack(grads, layout, out=buffer, scale=plan.pack_scale, backend=backend)
-        if plan.divide_after:
-            buffer.div_(layout.world_size)
-        shard = buffer.narrow(0, plan.rank * layout.shard_numel, layout.shard_numel)
-        comm.reduce_scatter(shard, buffer, group=plan.group, method=self._method, collectives=self._collectives)
+        b = plan.bucket
+        b.mode.bind(b, "input", buffer, plan.rank, layout.world_size)
+        b.pack(grads)
+        work = b.start(plan.group, plan.rank, self._collectives)
+        if work is not None:
+            work.wait()
         if not plan.ds_ids:
+            b.unbind()
             self.stats.add(self.optimizer.micro_step_id, plan.key, None)  # nothing here, but the bucket was reduced
             return
         outs = self._grad_partitions(plan)
         out_dtype = outs[0].dtype
-        if shard.dtype != out_dtype and out_dtype != torch.float32:
-            shard = shard.to(out_dtype)  # stock adds after this cast; see [Note: ZeRO-3 reduce path]
-        unpacker = self._unpack_plans.get(plan.key)
-        if unpacker is None:
-            unpacker = self._unpack_plans[plan.key] = UnpackPlan(layout, plan.rank, outs, backend=backend)
+        if b.output.dtype != out_dtype and out_dtype != torch.float32:
+            b.output = b.output.to(out_dtype)  # stock adds after this cast; see [Note: ZeRO-3 reduce path]
         micro_step = self.optimizer.micro_step_id
-        stats = unpacker(shard, outs, accumulate=micro_step != 0, return_stats=True)
-        self.stats.add(micro_step, plan.key, stats)
+        b.shard, b.accumulate = outs, micro_step != 0
+        b.unpack(plan.rank, layout.world_size, collect_stats=True)
+        self.stats.add(micro_step, plan.key, b.stats)
+        b.unbind()
+        b.shard = b.stats = None
 
     # -- the step's norm and overflow, from the unpack stats: see [Note: ZeRO-3 step statistics] --------------
 
