@@ -4,9 +4,10 @@ It takes exactly what ``deepspeed.initialize`` takes and returns the same
 tuple. The config (``config``, ``config_params`` or ``args.deepspeed_config``)
 may carry a ``"flatgrad"`` section, which DeepSpeed never sees. Routing:
 
+* every stage: ``support.check_supported`` refuses what flatgrad does not take over;
 * ZeRO stage 1 or 2 -> ``zero2``: the optimizer is built over bucket-sized
   sub-groups (``zero2.prepare``), then the reduce path is installed.
-* ZeRO stage 3 -> ``zero3.check_supported`` before, ``zero3.install`` after.
+* ZeRO stage 3 -> ``zero3.install`` after DeepSpeed built the engine.
 * anything else (stage 0, an unsupported feature) raises
   ``UnsupportedConfigError`` naming the feature and the key; under
   ``patch()`` such configs pass through to stock DeepSpeed instead, with one
@@ -31,6 +32,7 @@ from .config import (
     split_config,
 )
 from .original import original_initialize
+from .support import check_supported, config_value, zero_stage
 
 __all__ = ["QUIET_VAR", "Plan", "initialize", "plan", "run", "stock_arguments"]
 
@@ -115,7 +117,7 @@ def _check_zero2_call(arguments: dict, ds_config: dict, cfg: FlatgradConfig) -> 
         # Every torch LR scheduler sets 'initial_lr' on the groups it is bound to, passed here or not.
         bound = any("initial_lr" in g for g in optimizer.param_groups)
         if passed or bound:
-            bucket = cfg.bucket_numel or int(zero2._get(ds_config, "zero_optimization.reduce_bucket_size", 500_000_000))
+            bucket = cfg.bucket_numel or int(config_value(ds_config, "zero_optimization.reduce_bucket_size", 500_000_000))
             order = {p: k for k, (_, p) in enumerate(model.named_parameters())} if model is not None else {}
             split = zero2.split_param_groups(optimizer.param_groups, order, bucket)
             if len(split) != len(optimizer.param_groups):
@@ -146,21 +148,18 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     if not cfg.enabled:
         return Plan("stock", arguments, ds_config, cfg, "the 'flatgrad.enabled' config key is false")
     check_deepspeed_version()
-    from . import zero2
-
-    stage = zero2.zero_stage(ds_config)
+    check_supported(ds_config)
+    stage = zero_stage(ds_config)
     if stage in (1, 2):
-        zero2.check_supported(ds_config)
         _check_zero2_call(arguments, ds_config, cfg)
         return Plan("zero2", arguments, ds_config, cfg)
     if stage == 3:
         try:
-            from .zero3 import check_supported as zero3_check_supported
+            from . import zero3  # noqa: F401  (needs DeepSpeed's stage-3 optimizer)
         except ImportError as exc:
             raise UnsupportedConfigError(
                 f"flatgrad's ZeRO-3 backend is not available ({exc}) ('zero_optimization.stage' = 3)"
             ) from exc
-        zero3_check_supported(ds_config)
         if cfg.reduction != "reduce_scatter":
             raise UnsupportedConfigError(
                 f"'flatgrad.reduction' = {cfg.reduction!r} is not supported by flatgrad's ZeRO-3 backend yet "

@@ -136,95 +136,11 @@ from ... import comm
 from ...layout import Layout, split_numels
 from .arenas import ELEMENTWISE, OptimizerArenas, same_settings
 from .collectives import deepspeed_collectives
-from .config import FlatgradConfig, UnsupportedConfigError, offload_device
+from .config import FlatgradConfig, UnsupportedConfigError
 
-__all__ = ["Zero2Reduction", "check_supported", "install", "prepare", "split_param_groups"]
+__all__ = ["Zero2Reduction", "install", "prepare", "split_param_groups"]
 
 logger = logging.getLogger("flatgrad.deepspeed")
-
-_MUON_OPTIMIZERS = ("muon", "muonwithauxadam", "muadam", "muadamw", "musgd")
-
-
-def _get(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
-    node: Any = config
-    for key in dotted.split("."):
-        if not isinstance(node, Mapping) or key not in node:
-            return default
-        node = node[key]
-    return node
-
-
-def zero_stage(ds_config: Mapping[str, Any]) -> int:
-    """The ZeRO stage a DeepSpeed config asks for (0 when absent; the deprecated ``true`` is 1)."""
-    zero = ds_config.get("zero_optimization")
-    if zero is None:
-        return 0
-    if isinstance(zero, bool):
-        return int(zero)
-    return int(zero.get("stage", 0) if isinstance(zero, Mapping) else 0)
-
-
-def _enabled(section: Any) -> bool:
-    return isinstance(section, Mapping) and bool(section.get("enabled", False))
-
-
-def check_supported(ds_config: Mapping[str, Any]) -> None:
-    """Refuse ZeRO-1/2 configs flatgrad does not handle; the error names the feature and the key."""
-    stage = zero_stage(ds_config)
-    if stage not in (1, 2):
-        raise UnsupportedConfigError(f"flatgrad's ZeRO-1/2 backend needs 'zero_optimization.stage' 1 or 2, got {stage}")
-    device = offload_device(_get(ds_config, "zero_optimization.offload_optimizer"))
-    if device != "none":
-        raise UnsupportedConfigError(
-            f"optimizer offload to {device!r} is not supported by flatgrad ('zero_optimization.offload_optimizer.device'); "
-            "the offload path reduces and copies per parameter on the host"
-        )
-    if _get(ds_config, "zero_optimization.cpu_offload"):
-        raise UnsupportedConfigError(
-            "CPU optimizer offload is not supported by flatgrad ('zero_optimization.cpu_offload')"
-        )
-    if _get(ds_config, "zero_optimization.zenflow") is not None:
-        raise UnsupportedConfigError("ZenFlow is not supported by flatgrad ('zero_optimization.zenflow')")
-    if _get(ds_config, "zero_optimization.parameter_alignment"):
-        raise UnsupportedConfigError(
-            "per-parameter alignment padding is not supported by flatgrad ('zero_optimization.parameter_alignment'): "
-            "the sub-group layout is a plain concatenation"
-        )
-    if _get(ds_config, "compile.deepcompile"):
-        raise UnsupportedConfigError(
-            "DeepCompile owns the same gradient seam; not supported with flatgrad ('compile.deepcompile')"
-        )
-    if _enabled(ds_config.get("torch_autocast")):
-        raise UnsupportedConfigError(
-            "torch autocast (per-parameter communication dtypes) is not supported by flatgrad ('torch_autocast.enabled')"
-        )
-    opt_type = str(_get(ds_config, "optimizer.type", "") or "").lower()
-    if opt_type in _MUON_OPTIMIZERS:
-        raise UnsupportedConfigError(
-            f"the {opt_type!r} optimizer rewrites gradients while DeepSpeed builds the partition, which flatgrad "
-            "replaces ('optimizer.type')"
-        )
-    sp = ds_config.get("sequence_parallel_size", 1)
-    if sp not in (None, 1):
-        raise UnsupportedConfigError(
-            f"sequence parallelism is not supported by flatgrad ('sequence_parallel_size' = {sp})"
-        )
-    if (
-        stage == 1
-        and _enabled(ds_config.get("bf16"))
-        and str(_get(ds_config, "data_types.grad_accum_dtype", "")).lower()
-        in ("fp32", "float32", "float", "torch.float32")
-    ):
-        raise UnsupportedConfigError(
-            "ZeRO-1 with bf16 and fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, not ZeRO "
-            "('data_types.grad_accum_dtype'); use stage 2, whose partitions accumulate in fp32 then"
-        )
-    comm = ds_config.get("communication_data_type")
-    if comm is not None and str(comm).lower() not in ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16"):
-        raise UnsupportedConfigError(
-            f"'communication_data_type' {comm!r} is not supported by flatgrad (fp32, fp16, bf16)"
-        )
-
 
 # --------------------------------------------------------------------------- sub-groups
 

@@ -73,7 +73,7 @@ same rule (see [Note: ZeRO-2 step statistics]).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -81,66 +81,15 @@ from ... import comm
 from ...layout import Layout
 from ...reducer import Bucket, DividedReduceScatter, ReduceScatter
 from .collectives import deepspeed_collectives
-from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version, offload_device
+from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version
 
-__all__ = ["check_supported", "install", "Zero3Reducer"]
+__all__ = ["install", "Zero3Reducer"]
 
 _PREFIX = "_DeepSpeedZeroOptimizer_Stage3__"
 _ADD_GRAD = _PREFIX + "add_grad_to_ipg_bucket"
 _REDUCE = _PREFIX + "reduce_and_partition_ipg_grads"
 _GRAD_PARTITIONS = _PREFIX + "param_id_to_grad_partition"
 _ATTR = "flatgrad_zero3"
-
-_OFFLOAD_DEVICES = ("cpu", "nvme")
-
-
-def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = config.get(key) or {}
-    return value if isinstance(value, Mapping) else {}
-
-
-def check_supported(ds_config: Mapping[str, Any]) -> None:
-    """Refuse ZeRO-3 configs whose gradient path flatgrad does not replace correctly.
-
-    ``ds_config`` is the DeepSpeed config without the ``"flatgrad"`` section.
-    Raises ``UnsupportedConfigError`` naming the feature and its config key.
-    """
-    zero = _section(ds_config, "zero_optimization")
-    stage = zero.get("stage", 0)
-    if stage != 3:
-        raise UnsupportedConfigError(f"flatgrad's ZeRO-3 backend needs zero_optimization.stage=3, got {stage!r}")
-    refusals = []
-    # Parameter offload moves only the parameters' partitions; the gradient path is unchanged, so it is supported.
-    device = offload_device(zero.get("offload_optimizer"))
-    if device in _OFFLOAD_DEVICES:
-        kind = "CPU" if device == "cpu" else "NVMe"
-        refusals.append(
-            f"{kind} optimizer offload (zero_optimization.offload_optimizer.device={device!r}): the grad partitions "
-            "live off the accelerator and DeepSpeed moves and norms them in its own per-parameter path"
-        )
-    if zero.get("cpu_offload"):
-        refusals.append("CPU optimizer offload (zero_optimization.cpu_offload=true)")
-    if zero.get("zero_quantized_gradients"):
-        refusals.append(
-            "qgZ quantized gradients (zero_optimization.zero_quantized_gradients=true): DeepSpeed reduces them "
-            "with its own quantized all-to-all"
-        )
-    if zero.get("zenflow") is not None:
-        refusals.append("ZenFlow (zero_optimization.zenflow): it selects and transposes gradients in the IPG bucket")
-    if zero.get("reduce_scatter", True) is False:
-        refusals.append(
-            "all-reduce gradient averaging (zero_optimization.reduce_scatter=false): flatgrad always "
-            "reduce-scatters; remove the key"
-        )
-    if _section(ds_config, "compile").get("deepcompile"):
-        refusals.append("DeepCompile (compile.deepcompile=true): it installs its own ZeRO-3 gradient hooks")
-    if _section(ds_config, "expert_parallel").get("enabled"):
-        refusals.append(
-            "AutoEP (expert_parallel.enabled=true): expert gradients are averaged over a different world size"
-        )
-    if refusals:
-        raise UnsupportedConfigError("flatgrad's ZeRO-3 backend does not support: " + "; ".join(refusals))
-
 
 class _Plan(NamedTuple):
     """Everything static about one bucket composition (same parameters, same order)."""

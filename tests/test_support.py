@@ -1,0 +1,84 @@
+"""flatgrad.integrations.deepspeed.support: every refusal row fires under its stages only, naming its key."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatgrad.integrations.deepspeed.config import UnsupportedConfigError
+from flatgrad.integrations.deepspeed.support import REFUSALS, check_supported, refusals, zero_stage
+
+# key -> what turns the feature on, merged into a plain config
+_ON = {
+    "zero_optimization.offload_optimizer.device": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+    "zero_optimization.cpu_offload": {"zero_optimization": {"cpu_offload": True}},
+    "zero_optimization.zenflow": {"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}},
+    "compile.deepcompile": {"compile": {"deepcompile": True}},
+    "zero_optimization.parameter_alignment": {"zero_optimization": {"parameter_alignment": 8}},
+    "torch_autocast.enabled": {"torch_autocast": {"enabled": True}},
+    "optimizer.type": {"optimizer": {"type": "Muon", "params": {"lr": 0.01}}},
+    "sequence_parallel_size": {"sequence_parallel_size": 2},
+    "data_types.grad_accum_dtype": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+    "communication_data_type": {"communication_data_type": "int8"},
+    "zero_optimization.zero_quantized_gradients": {"zero_optimization": {"zero_quantized_gradients": True}},
+    "zero_optimization.reduce_scatter": {"zero_optimization": {"reduce_scatter": False}},
+    "expert_parallel.enabled": {"expert_parallel": {"enabled": True}},
+}
+
+
+def _config(stage: int, keys) -> dict:
+    cfg: dict = {"train_batch_size": 8, "zero_optimization": {"stage": stage}}
+    for key in keys:
+        for section, value in copy.deepcopy(_ON[key]).items():
+            if isinstance(value, dict):
+                cfg.setdefault(section, {}).update(value)
+            else:
+                cfg[section] = value
+    return cfg
+
+
+def test_every_row_has_a_case_here():
+    assert sorted(r.key for r in REFUSALS) == sorted(_ON)
+
+
+@pytest.mark.parametrize("row", REFUSALS, ids=lambda r: r.key)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_row_fires_under_its_stages_only_and_names_its_key(row, stage: int):
+    cfg = _config(stage, [row.key])
+    if stage not in row.stages:
+        assert not [m for m in refusals(cfg) if f"'{row.key}'" in m]
+        return
+    with pytest.raises(UnsupportedConfigError, match=f"'{row.key}'") as info:
+        check_supported(cfg)
+    assert f"ZeRO-{stage}" in str(info.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(stage=st.sampled_from([1, 2, 3]), keys=st.sets(st.sampled_from(sorted(_ON))))
+def test_any_mix_names_every_refused_key(stage: int, keys: set):
+    cfg = _config(stage, keys)
+    expected = {r.key for r in REFUSALS if r.key in keys and stage in r.stages}
+    if not expected:
+        check_supported(cfg)
+        return
+    with pytest.raises(UnsupportedConfigError) as info:
+        check_supported(cfg)
+    for key in expected:
+        assert f"'{key}'" in str(info.value)
+
+
+def test_plain_configs_and_offload_none_pass():
+    for stage in (0, 1, 2, 3):
+        cfg = _config(stage, [])
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "none"}
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        check_supported(cfg)
+
+
+def test_zero_stage_reads_every_spelling():
+    assert zero_stage({}) == 0
+    assert zero_stage({"zero_optimization": True}) == 1
+    assert zero_stage({"zero_optimization": {"stage": 3}}) == 3
