@@ -107,7 +107,7 @@ def _state(engine, rank: int) -> dict:
 def _flatgrad_ran(engine) -> int:
     """The number of bucket plans flatgrad built (0 when flatgrad is not installed)."""
     reducer = getattr(engine.optimizer, "flatgrad_zero3", None)
-    return len(reducer.plans) if reducer is not None else 0
+    return len(reducer.compositions) if reducer is not None else 0
 
 
 def _train(engine, rank: int, dtype: str, batches, inf_at: int | None = None) -> dict:

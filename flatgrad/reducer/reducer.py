@@ -232,7 +232,7 @@ class BucketReducer:
                 raise TypeError(f"collectives must be a flatgrad.comm.Collectives or None, got {type(collectives).__name__}")
             self.config = config
             self.mode = make_mode(config, self.world_size)
-            plans = self._plan(buckets, register_hooks)
+            plans = self._describe_buckets(buckets, register_hooks)
             offsets = arena_offsets(shard_arena, [plan["layout"] for plan in plans], [plan["device"] for plan in plans])
             description = [plan["description"] for plan in plans]
         except Exception as exc:  # exchanged below so that every rank raises, then re-raised
@@ -268,7 +268,7 @@ class BucketReducer:
 
     # ------------------------------------------------------------------ setup
 
-    def _plan(self, buckets: Sequence[Sequence[nn.Parameter]], register_hooks: bool) -> list[dict]:
+    def _describe_buckets(self, buckets: Sequence[Sequence[nn.Parameter]], register_hooks: bool) -> list[dict]:
         """Validate the buckets and describe every one; allocates nothing."""
         cfg = self.config
         if isinstance(buckets, torch.Tensor) or not isinstance(buckets, Sequence) or not buckets:

@@ -11,7 +11,7 @@ may carry a ``"flatgrad"`` section, which DeepSpeed never sees. Routing:
 * anything else (stage 0, an unsupported feature) raises
   ``UnsupportedConfigError`` naming the feature and the key; under
   ``patch()`` such configs pass through to stock DeepSpeed instead, with one
-  log line saying why (``plan`` decides, ``run`` executes).
+  log line saying why (``route`` decides, ``run`` executes).
 """
 
 from __future__ import annotations
@@ -34,24 +34,24 @@ from .config import (
 from .original import original_initialize
 from .support import check_supported, config_value, zero_stage
 
-__all__ = ["QUIET_VAR", "Plan", "initialize", "plan", "run", "stock_arguments"]
+__all__ = ["QUIET_VAR", "Route", "initialize", "route", "run", "stock_arguments"]
 
 logger = logging.getLogger("flatgrad.deepspeed")
 
 
 @dataclasses.dataclass
-class Plan:
+class Route:
     """What ``run`` will do with one ``deepspeed.initialize`` call.
 
     Attributes:
-        route: ``"zero2"`` (stages 1/2), ``"zero3"``, or ``"stock"`` (flatgrad disabled by its section).
+        backend: ``"zero2"`` (stages 1/2), ``"zero3"``, or ``"stock"`` (flatgrad disabled by its section).
         arguments: the call's arguments by name, the config replaced by one without the section.
         ds_config: the DeepSpeed config without the ``"flatgrad"`` section.
         cfg: the ``"flatgrad"`` section.
         reason: why the route is stock (empty otherwise).
     """
 
-    route: str
+    backend: str
     arguments: dict
     ds_config: dict
     cfg: FlatgradConfig
@@ -140,19 +140,19 @@ def stock_arguments(*args: Any, **kwargs: Any) -> dict:
     return arguments
 
 
-def plan(*args: Any, **kwargs: Any) -> Plan:
+def route(*args: Any, **kwargs: Any) -> Route:
     """Decide the route of one ``deepspeed.initialize(*args, **kwargs)`` call; raise if flatgrad cannot take it."""
     arguments = _bind(args, kwargs)
     ds_config, cfg = split_config(_take_config(arguments))
     arguments["config"] = ds_config
     if not cfg.enabled:
-        return Plan("stock", arguments, ds_config, cfg, "the 'flatgrad.enabled' config key is false")
+        return Route("stock", arguments, ds_config, cfg, "the 'flatgrad.enabled' config key is false")
     check_deepspeed_version()
     check_supported(ds_config)
     stage = zero_stage(ds_config)
     if stage in (1, 2):
         _check_zero2_call(arguments, ds_config, cfg)
-        return Plan("zero2", arguments, ds_config, cfg)
+        return Route("zero2", arguments, ds_config, cfg)
     if stage == 3:
         try:
             from . import zero3  # noqa: F401  (needs DeepSpeed's stage-3 optimizer)
@@ -171,7 +171,7 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
                 "reduces no gradients: DeepSpeed builds it for inference (ZeRO-Inference / frozen models), "
                 "which needs no flatgrad"
             )
-        return Plan("zero3", arguments, ds_config, cfg)
+        return Route("zero3", arguments, ds_config, cfg)
     raise UnsupportedConfigError(
         f"ZeRO stage {stage} has no gradient partitioning for flatgrad to replace ('zero_optimization.stage'); "
         "flatgrad handles stages 1, 2 and 3"
@@ -199,26 +199,26 @@ def _announce(message: str, cfg: FlatgradConfig) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run(p: Plan) -> tuple:
-    """Execute a plan: call DeepSpeed, with flatgrad's reduce path on the flatgrad routes."""
+def run(p: Route) -> tuple:
+    """Execute a route: call DeepSpeed, with flatgrad's reduce path on the flatgrad backends."""
     original = original_initialize()
-    if p.route == "stock":
+    if p.backend == "stock":
         logger.warning("flatgrad: passing this config to stock DeepSpeed: %s", p.reason)
         return original(**p.arguments)
-    if p.route == "zero2":
+    if p.backend == "zero2":
         from . import zero2
 
         with zero2.prepare(p.cfg):
             result = original(**p.arguments)
         _announce(zero2.install(result[0], p.cfg).describe(), p.cfg)
         return result
-    if p.route == "zero3":
+    if p.backend == "zero3":
         from .zero3 import install as zero3_install
 
         result = original(**p.arguments)
         _announce(zero3_install(result[0], p.cfg).describe(), p.cfg)
         return result
-    raise ValueError(f"unknown route {p.route!r}")
+    raise ValueError(f"unknown route {p.backend!r}")
 
 
 def initialize(*args: Any, **kwargs: Any) -> tuple:
@@ -227,4 +227,4 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     Raises ``UnsupportedConfigError`` (naming the feature and the config key)
     for configs flatgrad does not handle, e.g. ZeRO stage 0 or CPU offload.
     """
-    return run(plan(*args, **kwargs))
+    return run(route(*args, **kwargs))

@@ -20,7 +20,7 @@ from typing import Any
 
 from . import original
 from .config import UnsupportedConfigError
-from .initialize import plan, run, stock_arguments
+from .initialize import route, run, stock_arguments
 from .original import original_initialize
 
 __all__ = ["ENV_VAR", "is_patched", "original_initialize", "patch", "patch_from_env", "unpatch"]
@@ -31,7 +31,7 @@ logger = logging.getLogger("flatgrad.deepspeed")
 
 def _routed(*args: Any, **kwargs: Any) -> tuple:
     try:
-        p = plan(*args, **kwargs)
+        p = route(*args, **kwargs)
     except UnsupportedConfigError as exc:
         logger.warning("flatgrad: passing this config to stock DeepSpeed: %s", exc)
         return original_initialize()(**stock_arguments(*args, **kwargs))

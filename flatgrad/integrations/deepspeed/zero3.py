@@ -91,7 +91,7 @@ _REDUCE = _PREFIX + "reduce_and_partition_ipg_grads"
 _GRAD_PARTITIONS = _PREFIX + "param_id_to_grad_partition"
 _ATTR = "flatgrad_zero3"
 
-class _Plan(NamedTuple):
+class _Composition(NamedTuple):
     """Everything static about one bucket composition (same parameters, same order)."""
 
     layout: Layout
@@ -111,7 +111,7 @@ class Zero3Reducer:
     Attributes:
         optimizer: the ``DeepSpeedZeroOptimizer_Stage3`` it serves.
         config: the ``FlatgradConfig``.
-        plans: ``{(comm_dtype, ds_ids): _Plan}``, one per bucket composition seen.
+        compositions: ``{(comm_dtype, ds_ids): _Composition}``, one per bucket composition seen.
     """
 
     def __init__(self, optimizer: Any, config: FlatgradConfig) -> None:
@@ -120,7 +120,7 @@ class Zero3Reducer:
 
         self.optimizer = optimizer
         self.config = config
-        self.plans: dict[tuple, _Plan] = {}
+        self.compositions: dict[tuple, _Composition] = {}
         self._dist = dist
         self._accelerator = get_accelerator()
         self._comm_dtype = config.torch_comm_dtype()
@@ -190,9 +190,9 @@ class Zero3Reducer:
 
                 assert_ints_same_as_other_ranks([p.ds_id for p in params])
             params.sort(key=lambda p: p.ds_id)
-            plan = self._plan(params, communication_data_type)
-            self._reduce(plan, params, bucket)
-            opt._offload_boundary_param_ids.update(plan.ds_ids)
+            comp = self._composition(params, communication_data_type)
+            self._reduce(comp, params, bucket)
+            opt._offload_boundary_param_ids.update(comp.ds_ids)
             synchronized = acc.is_synchronized_device()
             for param in params:
                 if not synchronized:
@@ -206,16 +206,16 @@ class Zero3Reducer:
                 event.record()
                 events.append(event)
 
-    # -- plan and reduction ---------------------------------------------------------------------
+    # -- compositions and reduction ----------------------------------------------------------------------
 
-    def _plan(self, params: Sequence[torch.nn.Parameter], bucket_dtype: torch.dtype) -> _Plan:
+    def _composition(self, params: Sequence[torch.nn.Parameter], bucket_dtype: torch.dtype) -> _Composition:
         key = (bucket_dtype, tuple(p.ds_id for p in params))
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = self._build_plan(params, bucket_dtype)
-        return plan
+        comp = self.compositions.get(key)
+        if comp is None:
+            comp = self.compositions[key] = self._build_composition(params, bucket_dtype)
+        return comp
 
-    def _build_plan(self, params: Sequence[torch.nn.Parameter], bucket_dtype: torch.dtype) -> _Plan:
+    def _build_composition(self, params: Sequence[torch.nn.Parameter], bucket_dtype: torch.dtype) -> _Composition:
         opt, dist = self.optimizer, self._dist
         group = opt._get_param_partition_group(params[0])
         world_size = dist.get_world_size(group=group)
@@ -240,7 +240,7 @@ class Zero3Reducer:
             mode=ReduceScatter() if fused else DividedReduceScatter(), prescale=1.0, postscale=1.0, streams=None,
         )  # fmt: skip
         pieces = layout.pieces(rank)
-        return _Plan(
+        return _Composition(
             layout=layout,
             group=group,
             rank=rank,
@@ -252,52 +252,52 @@ class Zero3Reducer:
             bucket_ds_ids=frozenset(p.ds_id for p in params),
         )
 
-    def _grad_partitions(self, plan: _Plan) -> list[torch.Tensor]:
-        """Views of this rank's grad partitions for ``plan``'s pieces, cached while DeepSpeed keeps them."""
+    def _grad_partitions(self, comp: _Composition) -> list[torch.Tensor]:
+        """Views of this rank's grad partitions for ``comp``'s pieces, cached while DeepSpeed keeps them."""
         opt = self.optimizer
         partitions = getattr(opt, _GRAD_PARTITIONS)
         stamp = (id(partitions), opt.grad_partitions_flat_buffer.data_ptr())
-        key = (plan.comm_dtype, plan.ds_ids)
+        key = (comp.comm_dtype, comp.ds_ids)
         cached = self._outs.get(key)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        outs = [partitions[ds_id].narrow(0, 0, n) for ds_id, n in zip(plan.ds_ids, plan.lengths)]
+        outs = [partitions[ds_id].narrow(0, 0, n) for ds_id, n in zip(comp.ds_ids, comp.lengths)]
         self._outs[key] = (stamp, outs)
         return outs
 
-    def _reduce(self, plan: _Plan, params: Sequence[torch.nn.Parameter], bucket: Any) -> None:
-        layout = plan.layout
+    def _reduce(self, comp: _Composition, params: Sequence[torch.nn.Parameter], bucket: Any) -> None:
+        layout = comp.layout
         grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
         device = grads[0].device
         ipg_buffer = bucket.buffer
-        if ipg_buffer is not None and ipg_buffer.dtype == plan.comm_dtype and ipg_buffer.device == device:
+        if ipg_buffer is not None and ipg_buffer.dtype == comp.comm_dtype and ipg_buffer.device == device:
             if ipg_buffer.numel() < layout.numel:
                 # A chunked layout pads every param to a multiple of W, and one param may exceed the
                 # bucket: grow the IPG buffer once to the largest layout seen, not a buffer per step.
                 if ipg_buffer.is_cuda:
                     ipg_buffer.record_stream(torch.cuda.current_stream(device))
-                ipg_buffer = bucket.buffer = torch.empty(layout.numel, dtype=plan.comm_dtype, device=device)
+                ipg_buffer = bucket.buffer = torch.empty(layout.numel, dtype=comp.comm_dtype, device=device)
             buffer = ipg_buffer.narrow(0, 0, layout.numel)
         else:
-            buffer = torch.empty(layout.numel, dtype=plan.comm_dtype, device=device)
-        b = plan.bucket
-        b.mode.bind(b, "input", buffer, plan.rank, layout.world_size)
+            buffer = torch.empty(layout.numel, dtype=comp.comm_dtype, device=device)
+        b = comp.bucket
+        b.mode.bind(b, "input", buffer, comp.rank, layout.world_size)
         b.pack(grads)
-        work = b.start(plan.group, plan.rank, self._collectives)
+        work = b.start(comp.group, comp.rank, self._collectives)
         if work is not None:
             work.wait()
-        if not plan.ds_ids:
+        if not comp.ds_ids:
             b.unbind()
-            self.stats.add(self.optimizer.micro_step_id, plan.key, None)  # nothing here, but the bucket was reduced
+            self.stats.add(self.optimizer.micro_step_id, comp.key, None)  # nothing here, but the bucket was reduced
             return
-        outs = self._grad_partitions(plan)
+        outs = self._grad_partitions(comp)
         out_dtype = outs[0].dtype
         if b.output.dtype != out_dtype and out_dtype != torch.float32:
             b.output = b.output.to(out_dtype)  # stock adds after this cast; see [Note: ZeRO-3 reduce path]
         micro_step = self.optimizer.micro_step_id
         b.shard, b.accumulate = outs, micro_step != 0
-        b.unpack(plan.rank, layout.world_size, collect_stats=True)
-        self.stats.add(micro_step, plan.key, b.stats)
+        b.unpack(comp.rank, layout.world_size, collect_stats=True)
+        self.stats.add(micro_step, comp.key, b.stats)
         b.unbind()
         b.shard = b.stats = None
 
@@ -312,11 +312,11 @@ class Zero3Reducer:
         keys = tuple(self.stats.keys)
         usable = self._covers.get(keys)
         if usable is None:
-            plans = [self.plans[key] for key in keys]
-            union = frozenset().union(*(p.bucket_ds_ids for p in plans))
+            comps = [self.compositions[key] for key in keys]
+            union = frozenset().union(*(p.bucket_ds_ids for p in comps))
             usable = (
-                len({id(p.group) for p in plans}) == 1  # stock all_reduces each sub-group's norm over this group
-                and sum(len(p.bucket_ds_ids) for p in plans) == len(union)  # no parameter reduced twice
+                len({id(p.group) for p in comps}) == 1  # stock all_reduces each sub-group's norm over this group
+                and sum(len(p.bucket_ds_ids) for p in comps) == len(union)  # no parameter reduced twice
                 and self._trainable <= union
             )
             if len(self._covers) > 64:
@@ -332,7 +332,7 @@ class Zero3Reducer:
             if not self._accelerator.resolves_data_dependency():
                 self._accelerator.current_stream().wait_stream(opt.reduce_and_partition_stream)
             total = self.stats.total.to(device) if self.stats.total is not None else torch.zeros(2, device=device)
-            group = self.plans[self.stats.keys[0]].group
+            group = self.compositions[self.stats.keys[0]].group
             self._dist.all_reduce(total, op=self._dist.ReduceOp.SUM, group=group)
             self._reduced = total
         return self._reduced
