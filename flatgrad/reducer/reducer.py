@@ -232,9 +232,9 @@ class BucketReducer:
                 raise TypeError(f"collectives must be a flatgrad.comm.Collectives or None, got {type(collectives).__name__}")
             self.config = config
             self.mode = make_mode(config, self.world_size)
-            plans = self._describe_buckets(buckets, register_hooks)
-            offsets = arena_offsets(shard_arena, [plan["layout"] for plan in plans], [plan["device"] for plan in plans])
-            description = [plan["description"] for plan in plans]
+            specs = self._describe_buckets(buckets, register_hooks)
+            offsets = arena_offsets(shard_arena, [s.layout for s in specs], [s.device for s in specs])
+            description = [s.description for s in specs]
         except Exception as exc:  # exchanged below so that every rank raises, then re-raised
             local_error = exc
         if self.world_size > 1:
@@ -244,11 +244,11 @@ class BucketReducer:
         self.accum_dtype = config.accum_dtype
         self.collect_stats = bool(config.collect_stats)
         self._collectives = collectives
-        self._buckets = [self._bucket(i, plan) for i, plan in enumerate(plans)]
+        self._buckets = [self._bucket(i, spec) for i, spec in enumerate(specs)]
         self._comm = CommPools(self._buckets, config.comm_buffers, self.rank, self.world_size)
         self.buckets: list[list[nn.Parameter]] = [list(b.params) for b in self._buckets]
         self.layouts: list[Layout] = [b.layout for b in self._buckets]
-        self.kernel_backends: list[str] = [plan["backend"] for plan in plans]
+        self.kernel_backends: list[str] = [spec.backend for spec in specs]
         self.comm_buffer_bytes: int = self._comm.nbytes
         self.shard_bytes: int = sum(b.layout.shard_numel for b in self._buckets) * self.accum_dtype.itemsize
         self._arena_offsets = offsets
@@ -268,13 +268,13 @@ class BucketReducer:
 
     # ------------------------------------------------------------------ setup
 
-    def _describe_buckets(self, buckets: Sequence[Sequence[nn.Parameter]], register_hooks: bool) -> list[dict]:
+    def _describe_buckets(self, buckets: Sequence[Sequence[nn.Parameter]], register_hooks: bool) -> list["_BucketSpec"]:
         """Validate the buckets and describe every one; allocates nothing."""
         cfg = self.config
         if isinstance(buckets, torch.Tensor) or not isinstance(buckets, Sequence) or not buckets:
             raise TypeError("buckets must be a non-empty list of lists of parameters")
         seen: dict[int, tuple[int, int]] = {}
-        plans = []
+        specs = []
         for b, params in enumerate(buckets):
             if isinstance(params, torch.Tensor) or not isinstance(params, Sequence) or not params:
                 raise TypeError(f"buckets[{b}] must be a non-empty list of parameters")
@@ -313,21 +313,15 @@ class BucketReducer:
                 cfg.layout, cfg.align, str(dtype), str(avg.op), method, self.mode.describe(),
                 tuple((tuple(p.shape), str(p.dtype)) for p in params),
             )  # fmt: skip
-            plans.append(
-                dict(
-                    params=tuple(params), layout=layout, device=device, dtype=dtype, avg=avg, method=method,
-                    backend=backend, description=description,
-                )
-            )  # fmt: skip
-        return plans
+            specs.append(_BucketSpec(tuple(params), layout, device, dtype, avg, method, backend, description))
+        return specs
 
-    def _bucket(self, bucket_id: int, plan: dict) -> Bucket:
+    def _bucket(self, bucket_id: int, spec: "_BucketSpec") -> Bucket:
         """A bucket's static plan and per-micro-step state (its buffers come from the pool)."""
-        device = plan["device"]
         return Bucket(
-            bucket_id, plan["params"], plan["layout"], self.rank, comm_dtype=plan["dtype"], averaging=plan["avg"],
-            method=plan["method"], backend=plan["backend"], mode=self.mode, prescale=self.config.prescale,
-            postscale=self.config.postscale, streams=_side_streams(device) if device.type == "cuda" else None,
+            bucket_id, spec.params, spec.layout, self.rank, comm_dtype=spec.comm_dtype, averaging=spec.averaging,
+            method=spec.method, backend=spec.backend, mode=self.mode, prescale=self.config.prescale,
+            postscale=self.config.postscale, streams=_side_streams(spec.device) if spec.device.type == "cuda" else None,
         )  # fmt: skip
 
     @property
@@ -537,6 +531,19 @@ class BucketReducer:
                 if _hook_owner(p) is self:
                     del _HOOKED[id(p)]
 
+
+
+class _BucketSpec(NamedTuple):
+    """One bucket as validated and described before any rank allocates (see [Note: layout agreement])."""
+
+    params: tuple[nn.Parameter, ...]
+    layout: Layout
+    device: torch.device
+    comm_dtype: torch.dtype
+    averaging: comm.Averaging
+    method: str
+    backend: str | None
+    description: tuple
 
 
 def _config(config: ReducerConfig | None, options: dict[str, Any]) -> ReducerConfig:
