@@ -70,7 +70,7 @@ def _run(kind: str, stage: int, flatgrad: dict, rank: int) -> tuple[dict[str, in
 def _rank(rank: int, world_size: int) -> dict:
     return {
         "zero2 list": _run("flatgrad", 2, {}, rank),
-        "zero2 tensor": _run("flatgrad", 2, {"reduce_scatter": "tensor"}, rank),
+        "zero2 tensor": _run("flatgrad", 2, {"reduce_scatter_method": "tensor"}, rank),
         "zero2 exact": _run("flatgrad", 2, {"reduction": "exact"}, rank),
         "zero3 stock": _run("stock", 3, {}, rank),
         "zero3 flatgrad": _run("flatgrad", 3, {}, rank),

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import os
+import warnings
 from typing import Any, Mapping
 
 SECTION = "flatgrad"
@@ -36,16 +37,17 @@ class FlatgradConfig:
             ``communication_data_type``).
         bucket_numel: ZeRO-1/2 sub-group size, ZeRO-3 bucket size, in elements; None uses
             ``reduce_bucket_size``.
-        reduce_scatter: ``auto`` (``reduce_scatter_tensor`` on NCCL, the list form on gloo;
-            under ZeRO-3 always the tensor form, the collective stock ZeRO-3 issues, which keeps
-            results bitwise equal to stock), ``tensor`` or ``list``.
+        reduce_scatter_method: how the reduce_scatter is called: ``auto`` (``reduce_scatter_tensor``
+            on NCCL, the list form on gloo; under ZeRO-3 always the tensor form, the collective stock
+            ZeRO-3 issues, which keeps results bitwise equal to stock), ``tensor`` or ``list``. The
+            former key ``reduce_scatter`` still works, with a deprecation warning.
         comm_buffers: ZeRO-1/2: how many bucket-sized comm buffers all sub-groups share during a
             backward; None (the default) takes as many as stock's IPG buffers: 2 with
             ``zero_optimization.overlap_comm`` (a pack overlaps the previous collective), else 1
             (they serialise, and one bucket of memory is saved).
         reduction: ZeRO-1/2: ``reduce_scatter`` (the default), ``exact`` (all_to_all of the comm dtype,
             fixed-order fp32 sum in the unpack), ``int8`` or ``fp8`` (blockwise-quantized all_to_all);
-            see [Note: reduction modes] in ``flatgrad/reducer.py``. ZeRO-3 refuses the others.
+            see [Note: reduction modes] in ``flatgrad/reducer/modes.py``. ZeRO-3 refuses the others.
         block: ``int8``/``fp8``: elements per fp32 scale, a power of two in [32, 4096].
         error_feedback: ``int8``/``fp8``: carry each rank's quantization error into its next step.
         announce: print the take-over line (stage, sub-groups, buckets, method) on rank 0's stderr;
@@ -56,7 +58,7 @@ class FlatgradConfig:
     backend: str | None = None
     comm_dtype: str | None = None
     bucket_numel: int | None = None
-    reduce_scatter: str = "auto"
+    reduce_scatter_method: str = "auto"
     comm_buffers: int | None = None
     reduction: str = "reduce_scatter"
     block: int = 256
@@ -66,7 +68,7 @@ class FlatgradConfig:
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "FlatgradConfig":
         """Validate a ``"flatgrad"`` section; every error names the key."""
-        section = dict(section or {})
+        section = _renamed(dict(section or {}))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(section) - known)
         if unknown:
@@ -94,9 +96,9 @@ class FlatgradConfig:
             raise UnsupportedConfigError(
                 f"'{SECTION}.comm_buffers' must be an int >= 1, got {cfg.comm_buffers!r}"
             )
-        if cfg.reduce_scatter not in _METHODS:
+        if cfg.reduce_scatter_method not in _METHODS:
             raise UnsupportedConfigError(
-                f"'{SECTION}.reduce_scatter' must be one of {_METHODS}, got {cfg.reduce_scatter!r}"
+                f"'{SECTION}.reduce_scatter_method' must be one of {_METHODS}, got {cfg.reduce_scatter_method!r}"
             )
         if cfg.reduction not in _REDUCTIONS:
             raise UnsupportedConfigError(
@@ -125,6 +127,27 @@ class FlatgradConfig:
         from ...kernels import DTYPE_NAMES
 
         return None if self.comm_dtype is None else DTYPE_NAMES[self.comm_dtype]
+
+
+# former key -> its name now; the former one is read, with a warning, for one release
+RENAMED = {"reduce_scatter": "reduce_scatter_method"}
+
+
+def _renamed(section: dict) -> dict:
+    """``section`` with former key names replaced by their new ones, each with a ``DeprecationWarning``."""
+    for old, new in RENAMED.items():
+        if old not in section:
+            continue
+        if new in section:
+            raise UnsupportedConfigError(f"'{SECTION}.{old}' and '{SECTION}.{new}' are the same key; keep '{new}' only")
+        warnings.warn(
+            f"'{SECTION}.{old}' is renamed '{SECTION}.{new}' (it selects how the reduce_scatter is called, not the "
+            "reduction); the old name will stop working in the next release",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        section[new] = section.pop(old)
+    return section
 
 
 def load_config(config: str | os.PathLike | Mapping[str, Any] | None) -> dict:

@@ -438,7 +438,7 @@ class Zero2Reduction:
                 postscale=postscale,
                 backend=cfg.backend,
                 register_hooks=False,
-                method=cfg.reduce_scatter,
+                method=cfg.reduce_scatter_method,
                 comm_buffers=cfg.comm_buffers or (2 if o.overlap_comm else 1),
                 collect_stats=True,
                 accum_dtype=o.gradient_accumulation_dtype,
@@ -456,7 +456,7 @@ class Zero2Reduction:
                 for p in o.round_robin_bit16_groups[i]:
                     self._reducer_of[id(p)] = reducer
             self.reducers.append(reducer)
-            self.methods.add(comm.resolve_method(cfg.reduce_scatter, pg, self.device))
+            self.methods.add(comm.resolve_method(cfg.reduce_scatter_method, pg, self.device))
 
         # How step()'s per-piece views lie in each sub-group's partition, planned once; the
         # partitions themselves live for one accumulation window. See [Note: ZeRO-2 memory].

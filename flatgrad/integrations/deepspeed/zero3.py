@@ -27,7 +27,7 @@ Bitwise equality with stock (fp32 and bf16, any world size; tested):
   comm dtype); otherwise the buffer is divided in place, as stock does;
 * the reduce_scatter is the one stock issues (``reduce_scatter_tensor``), so
   every element is summed in the same order: the ``"flatgrad"`` section's
-  ``reduce_scatter: "auto"`` means that here. ``"list"`` (gloo's native
+  ``reduce_scatter_method: "auto"`` means that here. ``"list"`` (gloo's native
   reduce_scatter, faster on CPU) sums in another order on more than 2 ranks;
 * accumulation adds in fp32 and rounds once, which is what ``add_`` does
   whenever the comm dtype converts to the partition dtype exactly; otherwise
@@ -124,7 +124,7 @@ class Zero3Reducer:
         self._dist = dist
         self._accelerator = get_accelerator()
         self._comm_dtype = config.torch_comm_dtype()
-        self._method = "tensor" if config.reduce_scatter == "auto" else config.reduce_scatter
+        self._method = "tensor" if config.reduce_scatter_method == "auto" else config.reduce_scatter_method
         self._collectives = deepspeed_collectives()
         self._outs: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
         self.stats = _BackwardStats()
