@@ -785,7 +785,7 @@ def _moe_rank(rank, world_size, steps):
     from deepspeed.utils import safe_get_full_grad
 
     from flatgrad import Layout
-    from flatgrad.integrations.deepspeed import zero2
+    from flatgrad.integrations.deepspeed.zero2 import partitions as zero2_partitions
 
     batches = make_batches(rank, steps, 4, 1000, 1000)
     out = {}
@@ -814,7 +814,7 @@ def _moe_rank(rank, world_size, steps):
             params = optimizer.round_robin_bit16_groups[0]
             wrong = Layout.flat([p.numel() for p in params], 2 * optimizer.partition_count[0], 2)
             try:
-                zero2._verify_layout(optimizer, 0, wrong, 0)
+                zero2_partitions.verify_layout(optimizer, 0, wrong, 0)
                 wrong_layout_refused = False
             except RuntimeError as exc:
                 wrong_layout_refused = "does not match DeepSpeed" in str(exc)

@@ -1,0 +1,141 @@
+"""The sub-group split: every param group cut, in backward order, into bucket-sized sub-groups before DeepSpeed flattens.
+
+[Note: bucket-aligned sub-groups]
+A ZeRO-1/2 rank owns one contiguous 1/W slice of every param group's flat
+buffer, and gradients arrive in backward order, so a backward bucket of a
+stock group belongs to a few ranks only. flatgrad splits every param group,
+in backward order (reverse registration order), into sub-groups of about
+``bucket_numel`` elements *before* DeepSpeed flattens anything; the sub-groups
+copy their group's hyperparameters and keys (``moe``, ``name``, ...).
+DeepSpeed then flattens each sub-group and gives every rank an equal 1/W of
+it, padded to a multiple of ``W * nccl_start_alignment_factor``: exactly
+``Layout.flat(numels, W, align=nccl_start_alignment_factor)``. Each
+sub-group is one balanced bucket: one fused pack, one reduce_scatter, one
+fused unpack into a partition in DeepSpeed's accumulation dtype (see [Note: accumulation dtype]).
+``install`` checks the layout
+against DeepSpeed's own bookkeeping (flat buffer offsets, ``partition_size``,
+``params_in_partition``, ``first_offset``, insertion offsets) and raises on
+any difference, so a DeepSpeed change can never silently scramble gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ....layout import split_numels
+from ..config import FlatgradConfig, UnsupportedConfigError
+
+__all__ = ["prepare", "split_param_groups"]
+
+logger = logging.getLogger("flatgrad.deepspeed")
+
+
+def split_param_groups(
+    param_groups: Sequence[Mapping[str, Any]], order: Mapping[torch.nn.Parameter, int], bucket_numel: int
+) -> list[dict]:
+    """Split every group, in backward order, into sub-groups of about ``bucket_numel`` elements.
+
+    ``order`` maps a parameter to its registration index; backward order is
+    the reverse. Parameters the optimizer will not own (frozen, or without
+    elements) are left out, as DeepSpeed leaves them out. The cuts are
+    ``flatgrad.layout.split_numels``'s: a small param joins the next large one
+    rather than making a collective of its own. Every sub-group copies
+    its group's other keys. See [Note: bucket-aligned sub-groups].
+    """
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
+    out: list[dict] = []
+    for group in param_groups:
+        params = [p for p in group["params"] if p.requires_grad and p.numel() > 0]
+        position = {id(p): k for k, p in enumerate(params)}
+        # Registered parameters in reverse registration order; any others after them, as given.
+        params.sort(key=lambda p: (0, -order[p]) if p in order else (1, position[id(p)]))
+        for start, stop in split_numels([p.numel() for p in params], bucket_numel):
+            out.append(_sub_group(group, params[start:stop]))
+    return out
+
+
+
+def _sub_group(group: Mapping[str, Any], params: list) -> dict:
+    sub = {k: v for k, v in group.items() if k != "params"}
+    sub["params"] = list(params)
+    return sub
+
+
+
+def _rebuild_optimizer(optimizer: Any, groups: list[dict]) -> None:
+    """Point a state-less torch optimizer at ``groups`` (its own hyperparameters, split)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedConfigError(
+            f"flatgrad splits the optimizer's param groups and needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if any(len(s) for s in optimizer.state.values()):
+        raise UnsupportedConfigError(
+            f"the client optimizer ({type(optimizer).__name__}) already has state; flatgrad must split its param groups "
+            "into bucket-sized sub-groups and cannot move existing state. Pass an optimizer that has not stepped yet, "
+            "or a callable that builds it, or an 'optimizer' config section"
+        )
+    optimizer.param_groups = []
+    for group in groups:
+        optimizer.add_param_group(group)
+
+
+
+@contextlib.contextmanager
+def prepare(cfg: FlatgradConfig) -> Iterator[None]:
+    """While active, DeepSpeed's ZeRO-1/2 optimizer is built over bucket-sized sub-groups.
+
+    The seam is the engine module's ``DeepSpeedZeroOptimizer`` name, which
+    ``DeepSpeedEngine._configure_zero_optimizer`` looks up when it builds the
+    optimizer, after DeepSpeed has built the basic optimizer (and its MoE
+    groups) and before anything is flattened.
+    """
+    import deepspeed.runtime.engine as engine_mod
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    current = getattr(engine_mod, "DeepSpeedZeroOptimizer", None)
+    if current is not DeepSpeedZeroOptimizer:
+        raise UnsupportedConfigError(
+            "this DeepSpeed's engine does not build ZeRO-1/2 through deepspeed.runtime.engine.DeepSpeedZeroOptimizer; "
+            "flatgrad's ZeRO-1/2 seam is missing (see docs/design.md 'DeepSpeed seams')"
+        )
+
+    def build(init_optimizer, param_names, *args, **kwargs):
+        bucket = (
+            cfg.bucket_numel if cfg.bucket_numel is not None else int(kwargs.get("reduce_bucket_size", 500_000_000))
+        )
+        order = {p: k for k, p in enumerate(param_names)}
+        if any(getattr(p, "use_muon", False) for g in init_optimizer.param_groups for p in g["params"]):
+            raise UnsupportedConfigError(
+                "parameters marked use_muon (the Muon optimizer) rewrite gradients while DeepSpeed builds the "
+                "partition, which flatgrad replaces ('optimizer.type')"
+            )
+        before = len(init_optimizer.param_groups)
+        groups, origins = [], []
+        for g, group in enumerate(init_optimizer.param_groups):
+            subs = split_param_groups([group], order, bucket)
+            groups += subs
+            origins += [g] * len(subs)
+        if not groups:
+            raise UnsupportedConfigError(
+                "the optimizer has no trainable parameters with elements; nothing for ZeRO to partition"
+            )
+        _rebuild_optimizer(init_optimizer, groups)
+        logger.info(
+            "flatgrad: %d param group(s) split into %d sub-group(s) of about %d elements", before, len(groups), bucket
+        )
+        zero = DeepSpeedZeroOptimizer(init_optimizer, param_names, *args, **kwargs)
+        zero._flatgrad_origins = (before, origins)
+        return zero
+
+    engine_mod.DeepSpeedZeroOptimizer = build
+    try:
+        yield
+    finally:
+        engine_mod.DeepSpeedZeroOptimizer = current
+

@@ -1,0 +1,327 @@
+"""``Zero2Reduction``: flatgrad's reduce path inside one ``DeepSpeedZeroOptimizer``, its windows and hand-over.
+
+[Note: accumulation dtype]
+One rule, DeepSpeed's own contract: micro-steps add up in DeepSpeed's gradient
+accumulation dtype (``data_types.grad_accum_dtype``; by default the model's
+dtype, so bf16 or fp16 like stock, and fp32 for fp32 models). The partition is
+allocated in that dtype and the unpack adds each reduced micro-step into it,
+rounding once per micro-step, exactly as stock adds its reduced bit16
+gradients; so flatgrad's bit16 results equal stock's. With
+``grad_accum_dtype: fp32`` the partition is fp32: 4 bytes x P/W, never a
+full-size fp32 buffer. ZeRO-1 keeps DeepSpeed's ``param.grad_accum`` (ZeRO-1
+reduces once per window); it is divided by the data-parallel size in its own
+dtype and cast to the communication dtype afterwards, as stock does, so
+loss-scaled fp16 sums do not overflow in the cast.
+
+[Note: ZeRO-2 memory]
+Stock frees its IPG buffers and gradient partitions between steps, so
+flatgrad must too. The reducers' comm buffers are a pool of
+``comm_buffers`` buffers of the largest sub-group (by default as many as
+stock's IPG buffers: 2 with ``overlap_comm``, else 1), shared by all
+sub-groups, with the reduce_scatter in place, and held from a backward's
+first launch to its end only, as stock's IPG buffers are (see [Note: comm
+buffer pool] in ``flatgrad/reducer.py``): between steps flatgrad holds
+nothing stock does not. The partitions exist from the first
+micro-step of an accumulation window (ZeRO-1: from the boundary, where it
+reduces) until ``step()`` has consumed them: the step wrapper calls the
+reducers' ``zero_grad()``, which drops them. Under ZeRO-2 with an elementwise
+optimizer a reducer's partitions are one arena, allocated whole at the
+window's first launch (see [Note: optimizer arenas]), as stock allocates its
+``grads_in_partition`` whole at its first bucket; ZeRO-1 reduces in the
+boundary's backward, while the full gradients are still alive, so there one
+arena would raise the peak by most of its size (1.5 B/param at 2 ranks in
+fp32, ``bench/memory.py``): ZeRO-1 allocates each partition as its bucket
+launches. The per-piece views ``step()``
+and the norm read are rebuilt from a plan made once, per window.
+
+This module holds no kernels (the reducer packs and unpacks); the few collectives of
+the step go through ``flatgrad.comm`` and ``deepspeed.comm``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from .... import comm
+from ....layout import Layout
+from ..arenas import ELEMENTWISE, OptimizerArenas
+from ..collectives import deepspeed_collectives
+from ..config import FlatgradConfig, UnsupportedConfigError
+from .checkpoint import Zero2Checkpoints
+from .partitions import agree_on_setup, arena_positions, partition_views, verify_layout, view_plan
+from .stats import Zero2StepStats
+from .step import Zero2Step
+
+__all__ = ["Zero2Reduction"]
+
+
+class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
+    """flatgrad's reduce path inside one ``DeepSpeedZeroOptimizer`` (ZeRO-1 or 2).
+
+    One ``BucketReducer`` per process group (the data-parallel group, and one
+    expert-data-parallel group per MoE group name), one bucket per sub-group.
+    See [Note: ZeRO-2 seams].
+    """
+
+
+    def __init__(self, optimizer: Any, cfg: FlatgradConfig):
+        import deepspeed.comm as dist
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
+
+        from ....reducer import BucketReducer
+
+        o = optimizer
+        self.optimizer = o
+        self.cfg = cfg
+        align = int(o.nccl_start_alignment_factor)
+        if any(any(pad) for pad in o.round_robin_bit16_padding):
+            raise UnsupportedConfigError(
+                "per-parameter alignment padding ('zero_optimization.parameter_alignment') is not supported by flatgrad"
+            )
+        if getattr(o, "cpu_offload", False):
+            raise UnsupportedConfigError(
+                "optimizer offload ('zero_optimization.offload_optimizer') is not supported by flatgrad"
+            )
+
+        # Scales reproduce stock's arithmetic: with reduce_scatter (the default, and required for
+        # MoE) every gradient, expert ones included, is divided by the data-parallel size before
+        # the sum; without it, by the predivide factor before and the rest after.
+        dp = dist.get_world_size(group=o.dp_process_group) / float(o.sequence_parallel_size)
+        if not o.gradient_average:
+            prescale, postscale = 1.0, 1.0
+        elif o.reduce_scatter or not o.postscale_gradients:
+            prescale, postscale = 1.0 / dp, 1.0
+        else:
+            pd = float(o.gradient_predivide_factor)
+            prescale = 1.0 / pd
+            postscale = pd / dp if pd != dist.get_world_size(group=o.dp_process_group) else 1.0
+        comm_dtype = cfg.torch_comm_dtype() or o.communication_data_type
+        # ZeRO-1 with a wider accumulation dtype keeps DeepSpeed's param.grad_accum; it is
+        # pre-scaled in that dtype before the cast to the comm dtype, as stock does. See grad_ready.
+        self._accum_prescale = prescale if o.use_grad_accum_attribute else None
+        if o.use_grad_accum_attribute:
+            prescale = 1.0
+
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        self.layouts: list[Layout] = []
+        local_error: Exception | None = None
+        try:
+            for i, params in enumerate(o.round_robin_bit16_groups):
+                pg = o.real_dp_process_group[i]
+                layout = Layout.flat([p.numel() for p in params], dist.get_world_size(group=pg), align)
+                verify_layout(o, i, layout, dist.get_rank(group=pg))
+                self.layouts.append(layout)
+                groups.setdefault(id(pg), (pg, []))[1].append(i)
+        except Exception as exc:  # exchanged below so that every rank raises, then re-raised
+            local_error = exc
+        agree_on_setup(o.dp_process_group, local_error)
+        # A reducer launches its buckets strictly in bucket order (collectives match by issue
+        # order), so order each reducer's sub-groups by when they complete in backward: when
+        # their earliest-registered parameter's gradient arrives. Sub-groups of one param group
+        # are in that order already; this interleaves several param groups correctly.
+        position = {id(p): k for k, p in enumerate(o.param_names)}
+        unknown = len(position)
+
+        def completes(i: int) -> int:
+            return -min(position.get(id(p), unknown) for p in o.round_robin_bit16_groups[i])
+
+        for _, indices in groups.values():
+            indices.sort(key=completes)
+        # With an elementwise optimizer the step updates runs of sub-groups as one tensor: the
+        # shards of a reducer are then one arena, in sub-group order. See [Note: optimizer arenas].
+        use_arenas = type(o.optimizer) in ELEMENTWISE and o.partition_gradients
+
+        self.reducers: list[Any] = []
+        concat_position: list[int] = [0] * len(self.layouts)  # sub-group -> its row in the reducers' stats, stacked
+        self._step_stats: torch.Tensor | None = None
+        self.methods: set[str] = set()
+        self.device = torch.device(get_accelerator().current_device_name())
+        self._slot: list[tuple[Any, int]] = [None] * len(self.layouts)  # type: ignore[list-item]
+        self._reducer_of: dict[int, Any] = {}
+        for pg, indices in groups.values():
+            reducer = BucketReducer(
+                [list(o.round_robin_bit16_groups[i]) for i in indices],
+                process_group=pg,
+                comm_dtype=comm_dtype,
+                layout="flat",
+                align=align,
+                average=False,
+                prescale=prescale,
+                postscale=postscale,
+                backend=cfg.backend,
+                register_hooks=False,
+                method=cfg.reduce_scatter_method,
+                comm_buffers=cfg.comm_buffers or (2 if o.overlap_comm else 1),
+                collect_stats=True,
+                accum_dtype=o.gradient_accumulation_dtype,
+                reduction=cfg.reduction,
+                block=cfg.block,
+                error_feedback=cfg.error_feedback,
+                collectives=deepspeed_collectives(),
+                shard_arena=arena_positions(indices) if use_arenas else None,
+            )
+            for b, i in enumerate(indices):
+                if reducer.layouts[b] != self.layouts[i]:
+                    raise RuntimeError(f"flatgrad: the reducer's layout of sub-group {i} differs from DeepSpeed's")
+                self._slot[i] = (reducer, b)
+                concat_position[i] = sum(len(r.layouts) for r in self.reducers) + b
+                for p in o.round_robin_bit16_groups[i]:
+                    self._reducer_of[id(p)] = reducer
+            self.reducers.append(reducer)
+            self.methods.add(comm.resolve_method(cfg.reduce_scatter_method, pg, self.device))
+
+        # How step()'s per-piece views lie in each sub-group's partition, planned once; the
+        # partitions themselves live for one accumulation window. See [Note: ZeRO-2 memory].
+        self._buffer_group = GradPartitionBufferGroup
+        self._stats_order = torch.tensor(concat_position, dtype=torch.long, device=self.device)
+        self._view_plans = [
+            view_plan(layout, self._slot[i][0].rank, o.round_robin_bit16_groups[i])
+            for i, layout in enumerate(self.layouts)
+        ]
+        self.partitions: list[Any] | None = None
+        self._gather_plan: list[tuple[comm.AllGatherPlan, list[int]]] | None = None
+        self._stats_stale = False
+        self._bit16_viewed = [False] * len(self.layouts)
+        self._bit16_checks: tuple[list, list, list] | None = None
+        self._bit16_copy_lists: tuple[list, list] | None = None
+        self._window_open = False
+        self.reductions = 0
+        # MoE sub-groups by expert group, for the norm (stock averages them over that group).
+        moe: dict[int, tuple[Any, list[int]]] = {}
+        for i, group in enumerate(o.optimizer.param_groups):
+            if o.has_moe_layers and o.is_moe_param_group[i]:
+                pg = o.real_dp_process_group[i]
+                moe.setdefault(id(pg), (pg, []))[1].append(i)
+        self._moe_groups = [
+            (pg, torch.tensor(indices, dtype=torch.long, device=self.device)) for pg, indices in moe.values()
+        ]
+        self.arenas: OptimizerArenas | None = None
+        if use_arenas:
+            self.arenas = OptimizerArenas(o, [sorted(indices) for _, indices in groups.values()])
+        self._bit16_params = [p for group in o.bit16_groups for p in group]
+        # On gloo the step's gather copies every chunk anyway: it takes this rank's bit16 partitions
+        # straight from the master arena (one cast), instead of a copy per sub-group first.
+        self._gather_from_arenas = self.arenas is not None and all(
+            comm.backend_name(r.process_group, self.device) == "gloo" for r in self.reducers
+        )
+        from deepspeed.runtime.constants import PIPE_REPLICATED
+
+        self._pipe_replicated = any(getattr(p, PIPE_REPLICATED, False) for p in self._bit16_params)
+
+    # -- window: the micro-steps whose gradients one step() consumes
+
+    def _open_window(self) -> None:
+        # A new window starts with fresh partitions, unless step() has not consumed the last
+        # hand-over yet (several backwards at one boundary): then the reducers keep adding to
+        # them, as PyTorch accumulates .grad until step. step() releases them (see step()).
+        self._window_open = True
+
+    # -- the replaced seams
+
+    def grad_ready(self, param: torch.nn.Parameter, i: int) -> None:
+        """Replaces ``reduce_independent_p_g_buckets_and_remove_grads``: mark ``param`` ready."""
+        o = self.optimizer
+        if param.numel() == 0:
+            return
+        if not getattr(param, "ds_grad_is_ready", True):
+            return
+        if o.use_grad_accum_attribute and getattr(param, "grad_accum", None) is not None:
+            # ZeRO-1 with a wider accumulation dtype (fp16 params, fp32 grad_accum): divide in
+            # that dtype, then cast to the communication dtype, as stock does; casting first
+            # would overflow loss-scaled sums above the fp16 range.
+            param.grad = param.grad_accum.mul_(self._accum_prescale).to(param.dtype)
+            param.grad_accum = None
+        if param.grad is None:
+            return
+        o._maybe_reduce_autoep_folding_tp_gradient(param, param.grad)
+        self._open_window()
+        self._reducer_of[id(param)].mark_ready(param)
+
+    def epilogue(self) -> None:
+        """Replaces ``independent_gradient_partition_epilogue``: finish, and hand over at the boundary."""
+        o = self.optimizer
+        self._open_window()
+        for r in self.reducers:
+            r.finish()  # every bucket launched, so every param.grad is dropped (stock: _clear_param_grad_only)
+        self.reductions += 1
+        if o.is_gradient_accumulation_boundary():
+            self._hand_over()
+        o._release_ipg_buffers()  # the next backward counts a new micro-step (setup_buckets)
+        o._epilogue_ran_this_backward = True
+
+    def finalize(self) -> None:
+        """Replaces ``finalize_gradient_accumulation_boundary`` (``managed_gradient_accumulation: false``)."""
+        self.optimizer.set_gradient_accumulation_boundary(True)
+        if self._window_open:
+            self._hand_over()
+
+    def setup_buckets(self) -> None:
+        """Replaces ``setup_buckets``: count the micro-step, allocate no IPG bucket (flatgrad has its own)."""
+        o = self.optimizer
+        if not o.ready_for_gradients:
+            o.micro_step_id += 1
+            o.ready_for_gradients = True
+
+    def _hand_over(self) -> None:
+        o = self.optimizer
+        if self.partitions is None:
+            shards = {id(r): [gs.shard for gs in r.grad_shards()] for r in self.reducers}
+            self.partitions = []
+            for i, plan in enumerate(self._view_plans):
+                reducer, b = self._slot[i]
+                shard = shards[id(reducer)][b]
+                self.partitions.append(self._buffer_group(partition_views(shard, plan), shard))
+        for i, partition in enumerate(self.partitions):
+            o.averaged_gradients[i] = partition
+        self._step_stats = None  # this hand-over's stats are reduced when step() first asks
+        self._window_open = False
+
+    def _handed_over(self) -> bool:
+        """Whether DeepSpeed's ``averaged_gradients`` still hold this window's partitions, every one."""
+        held = map(self.optimizer.averaged_gradients.get, range(len(self.partitions)))
+        return all(map(operator.is_, held, self.partitions))
+
+    def release(self) -> None:
+        """Drop this window's fp32 partitions (step() has consumed them, or skipped the step)."""
+        o = self.optimizer
+        if self.partitions is not None:
+            for i, partition in enumerate(self.partitions):
+                if o.averaged_gradients.get(i) is partition:
+                    o.averaged_gradients[i] = None
+        self.partitions = None
+        self._step_stats = None
+        self._stats_stale = False
+        for r in self.reducers:
+            r.zero_grad()
+
+    def metadata_bytes(self) -> int:
+        """Bytes flatgrad keeps between steps besides gradients and optimizer state, counted in memory figures.
+
+        The kernels' cached run tables, the reducers' plan tables, the gather
+        plans' copy tables (gloo), the stats order, and inside a window the
+        stats: hundreds of bytes to KBs, which memory targets against stock name
+        rather than hide.
+        """
+        from ....kernels import _tables
+
+        gathers = sum(plan.table_bytes for plan, _ in self._gather_plan or ())
+        step_stats = self._step_stats.nbytes if self._step_stats is not None else 0
+        return (
+            _tables.nbytes() + sum(r.metadata_bytes() for r in self.reducers) + gathers
+            + self._stats_order.nbytes + step_stats
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        """The take-over line: stage, sub-groups, buckets, reduction method."""
+        o = self.optimizer
+        unsplit = getattr(o, "_flatgrad_origins", (len(self.layouts), None))[0]
+        return (
+            f"flatgrad: ZeRO-{2 if o.partition_gradients else 1} gradient reduction taken over: {unsplit} param group(s) "
+            f"split into {len(self.layouts)} sub-group(s) = {len(self.layouts)} bucket(s) on {len(self.reducers)} "
+            f"process group(s), per bucket one fused pack, one reduce_scatter ({', '.join(sorted(self.methods))}), "
+            f"one fused unpack into the {o.gradient_accumulation_dtype} partition"
+        )

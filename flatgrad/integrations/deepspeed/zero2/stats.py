@@ -1,0 +1,140 @@
+"""The ZeRO-1/2 step's gradient norm and overflow check, from the unpack's stats.
+
+[Note: ZeRO-2 step statistics]
+Before its update, stock's ``step()`` reads every partition twice more: once
+for the overflow check (an inf/nan test per piece, then an all_reduce) and
+once for the gradient norm (a norm per piece, then an all_reduce per param
+group, and one per MoE group). flatgrad's unpack already computes, in the
+pass that writes a partition, the sum of squares and the non-finite count of
+what it wrote; the last unpack of a window writes the accumulated partition,
+so its stats are exactly what both checks need. ``has_overflow`` and
+``scaled_global_norm`` are replaced to use them: one all_reduce of
+``sub-groups + 1`` floats over the data-parallel group serves both, and MoE
+groups are then averaged over their expert group as stock does. Summation
+order differs from stock's per-piece norms (within fp32 rounding). With model
+or pipeline parallelism, where stock filters pieces by rank, the norm is read
+from the partitions as stock does; so it is in a window where a gradient was
+written through DeepSpeed's API after its unpack (``safe_set_full_grad`` ends
+in ``update_offload_overflow_tracker`` for params linked by ``_zero_optimizer``,
+which ``install`` links and wraps to say so). A write
+straight into the partitions, behind DeepSpeed's API, is not seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Zero2StepStats"]
+
+
+class Zero2StepStats:
+    """The norm and overflow half of ``Zero2Reduction``. See [Note: ZeRO-2 step statistics]."""
+
+    def _grad_edited(self, grad: Any) -> None:
+        """Wraps ``update_offload_overflow_tracker``, which DeepSpeed's ``safe_set_full_grad`` calls after writing.
+
+        DeepSpeed calls it for params linked to the optimizer by ``_zero_optimizer``,
+        which it sets under offload only; ``install`` links every param. A gradient
+        written into a partition after its unpack is not in the unpack's stats: this
+        window's step reads the partitions, as stock does.
+        """
+        self._stats_stale = True
+        self._stock_update_overflow_tracker(grad)
+
+    def _stats_usable(self) -> bool:
+        """Whether the unpack stats give stock's norm: no model parallelism, no pipe-replicated params, no
+        gradient edited through DeepSpeed's API since the unpack."""
+        o = self.optimizer
+        if self._stats_stale:
+            return False
+        if o.mpu is not None or o.model_parallel_group is not None:
+            return False
+        if not all(r.stats_available for r in self.reducers):
+            return False  # a reducer made without collect_stats (every reduction mode's unpack computes them)
+        return not self._pipe_replicated  # read once at install: pipeline modules mark tied weights when built
+
+    def _reduced_stats(self) -> torch.Tensor:
+        """Per sub-group squared norm, then the non-finite count, summed over the ranks: one all_reduce.
+
+        The values come from the last unpack of every sub-group (the accumulated
+        partition as written, see ``BucketReducer.shard_stats``), so no partition is
+        read again; computed once per step and shared by ``has_overflow`` and
+        ``scaled_global_norm``. See [Note: ZeRO-2 step statistics].
+        """
+        import deepspeed.comm as dist
+
+        if self._step_stats is None:
+            o = self.optimizer
+            rows = [stats for reducer in self.reducers for stats in reducer.shard_stats()]
+            stacked = torch.stack(rows).to(self.device).index_select(0, self._stats_order)  # [G, 2]: sum_sq, nonfinite
+            total = torch.cat([stacked[:, 0], stacked[:, 1].sum().reshape(1)])
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=o.dp_process_group)
+            self._step_stats = total
+        return self._step_stats
+
+    def has_overflow(self, partition_gradients: bool = True) -> bool:
+        """Replaces ``has_overflow``: any inf/nan in any rank's partitions, from the unpack stats."""
+        if not self._stats_usable() or self.partitions is None:
+            return self._stock_has_overflow(partition_gradients)
+        return bool(self._reduced_stats()[-1].item() > 0)  # stock returns a bool too (one host sync)
+
+    def scaled_global_norm(self, norm_type: float = 2) -> torch.Tensor:
+        """Replaces ``scaled_global_norm``: stock's gradient norm from the unpack stats, one all_reduce in all.
+
+        Stock reads every partition again and reduces every param group's squared
+        norm with its own all_reduce (and each MoE group's again over its expert
+        group); with bucket-sized sub-groups that is one collective per sub-group
+        per step. Here the per-sub-group sums come from the unpack's stats, in the
+        same vector as the overflow count (see ``_reduced_stats``), then go through
+        stock's masking and combination, so clipping and the overflow decision
+        follow stock's rule. See [Note: ZeRO-2 step statistics].
+        """
+        import deepspeed.comm as dist
+        from deepspeed.runtime.utils import combine_grad_norm_groups, mask_nan_or_inf_with_val_inplace
+
+        o = self.optimizer
+        if norm_type != 2:
+            raise ValueError(f"only the L2 gradient norm is supported, got norm_type={norm_type}")
+        if self._stats_usable() and self.partitions is not None:
+            total = self._reduced_stats()[:-1].clone()
+        else:
+            total = self._squared_norms_from_partitions()
+        total = total.pow(1.0 / 2.0)
+        mask_nan_or_inf_with_val_inplace(total, device=self.device)
+        if o.has_moe_layers:
+            for pg, indices in self._moe_groups:
+                scaled = total[indices] * 1.0 / dist.get_world_size(group=pg)
+                dist.all_reduce(scaled, group=pg)
+                total[indices] = scaled
+        # Stock passes G group norms, which it stacks: the vector as one group is that stack, with no G views.
+        return combine_grad_norm_groups([total], norm_type=2)
+
+    def _squared_norms_from_partitions(self) -> torch.Tensor:
+        """Stock's per-group squared norms, read from the partitions (model or pipeline parallel runs)."""
+        import deepspeed.comm as dist
+        from deepspeed.runtime.constants import PIPE_REPLICATED
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        o = self.optimizer
+        norm_dtype = get_norm_dtype()
+        sums = []
+        for i in range(len(o.bit16_groups)):
+            grads = (g for g in o.averaged_gradients[i] if not getattr(g, "_zero_padding", False))
+            norms = [
+                torch.linalg.vector_norm(g.data.to(norm_dtype).detach(), ord=2.0)
+                for g, p in zip(grads, o.params_in_partition[i])
+                if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
+                and (is_model_parallel_parameter(p) or o.model_parallel_rank == 0)
+            ]
+            sums.append(
+                torch.stack(norms).pow(2.0).sum().float()
+                if norms
+                else torch.zeros((), dtype=torch.float32, device=self.device)
+            )
+        total = torch.stack(sums)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=o.dp_process_group)
+        o._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        return total
