@@ -55,7 +55,36 @@ from .partitions import agree_on_setup, arena_positions, partition_views, verify
 from .stats import Zero2StepStats
 from .step import Zero2Step
 
-__all__ = ["Zero2Reduction"]
+__all__ = ["Zero2Reduction", "stock_scales"]
+
+
+def _refuse_unsupported(o: Any) -> None:
+    """What the optimizer itself shows flatgrad cannot take (the config was checked before: ``support.py``)."""
+    if any(any(pad) for pad in o.round_robin_bit16_padding):
+        raise UnsupportedConfigError(
+            "per-parameter alignment padding ('zero_optimization.parameter_alignment') is not supported by flatgrad"
+        )
+    if getattr(o, "cpu_offload", False):
+        raise UnsupportedConfigError("optimizer offload ('zero_optimization.offload_optimizer') is not supported by flatgrad")
+
+
+def stock_scales(o: Any) -> tuple[float, float]:
+    """``(prescale, postscale)`` of the gradients, reproducing stock's arithmetic.
+
+    With reduce_scatter (the default, and required for MoE) every gradient, expert ones included,
+    is divided by the data-parallel size before the sum; without it, by the predivide factor before
+    and the rest after.
+    """
+    import deepspeed.comm as dist
+
+    world_size = dist.get_world_size(group=o.dp_process_group)
+    dp = world_size / float(o.sequence_parallel_size)
+    if not o.gradient_average:
+        return 1.0, 1.0
+    if o.reduce_scatter or not o.postscale_gradients:
+        return 1.0 / dp, 1.0
+    pd = float(o.gradient_predivide_factor)
+    return 1.0 / pd, (pd / dp if pd != world_size else 1.0)
 
 
 class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
@@ -68,44 +97,56 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
 
 
     def __init__(self, optimizer: Any, cfg: FlatgradConfig):
-        import deepspeed.comm as dist
         from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.constants import PIPE_REPLICATED
         from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
-
-        from ....reducer import BucketReducer
 
         o = optimizer
         self.optimizer = o
         self.cfg = cfg
+        _refuse_unsupported(o)
+        self.device = torch.device(get_accelerator().current_device_name())
+        groups = self._sub_groups_by_process_group()
+        # With an elementwise optimizer the step updates runs of sub-groups as one tensor: the
+        # shards of a reducer are then one arena, in sub-group order. See [Note: optimizer arenas].
+        use_arenas = type(o.optimizer) in ELEMENTWISE and o.partition_gradients
+        self._make_reducers(groups, use_arenas)
+
+        # How step()'s per-piece views lie in each sub-group's partition, planned once; the
+        # partitions themselves live for one accumulation window. See [Note: ZeRO-2 memory].
+        self._buffer_group = GradPartitionBufferGroup
+        self._view_plans = [
+            view_plan(layout, self._slot[i][0].rank, o.round_robin_bit16_groups[i])
+            for i, layout in enumerate(self.layouts)
+        ]
+        self.partitions: list[Any] | None = None
+        self._step_stats: torch.Tensor | None = None
+        self._gather_plan: list[tuple[comm.AllGatherPlan, list[int]]] | None = None
+        self._stats_stale = False
+        self._bit16_viewed = [False] * len(self.layouts)
+        self._bit16_checks: tuple[list, list, list] | None = None
+        self._bit16_copy_lists: tuple[list, list] | None = None
+        self._window_open = False
+        self.reductions = 0
+        self._moe_groups = self._moe_sub_groups()
+        self.arenas: OptimizerArenas | None = None
+        if use_arenas:
+            self.arenas = OptimizerArenas(o, [sorted(indices) for _, indices in groups.values()])
+        self._bit16_params = [p for group in o.bit16_groups for p in group]
+        # On gloo the step's gather copies every chunk anyway: it takes this rank's bit16 partitions
+        # straight from the master arena (one cast), instead of a copy per sub-group first.
+        self._gather_from_arenas = self.arenas is not None and all(
+            comm.backend_name(r.process_group, self.device) == "gloo" for r in self.reducers
+        )
+        self._pipe_replicated = any(getattr(p, PIPE_REPLICATED, False) for p in self._bit16_params)
+
+    def _sub_groups_by_process_group(self) -> dict[int, tuple[Any, list[int]]]:
+        """Every sub-group's layout, checked against DeepSpeed's on every rank, and the sub-groups of each process group
+        in the order they complete in backward."""
+        import deepspeed.comm as dist
+
+        o = self.optimizer
         align = int(o.nccl_start_alignment_factor)
-        if any(any(pad) for pad in o.round_robin_bit16_padding):
-            raise UnsupportedConfigError(
-                "per-parameter alignment padding ('zero_optimization.parameter_alignment') is not supported by flatgrad"
-            )
-        if getattr(o, "cpu_offload", False):
-            raise UnsupportedConfigError(
-                "optimizer offload ('zero_optimization.offload_optimizer') is not supported by flatgrad"
-            )
-
-        # Scales reproduce stock's arithmetic: with reduce_scatter (the default, and required for
-        # MoE) every gradient, expert ones included, is divided by the data-parallel size before
-        # the sum; without it, by the predivide factor before and the rest after.
-        dp = dist.get_world_size(group=o.dp_process_group) / float(o.sequence_parallel_size)
-        if not o.gradient_average:
-            prescale, postscale = 1.0, 1.0
-        elif o.reduce_scatter or not o.postscale_gradients:
-            prescale, postscale = 1.0 / dp, 1.0
-        else:
-            pd = float(o.gradient_predivide_factor)
-            prescale = 1.0 / pd
-            postscale = pd / dp if pd != dist.get_world_size(group=o.dp_process_group) else 1.0
-        comm_dtype = cfg.torch_comm_dtype() or o.communication_data_type
-        # ZeRO-1 with a wider accumulation dtype keeps DeepSpeed's param.grad_accum; it is
-        # pre-scaled in that dtype before the cast to the comm dtype, as stock does. See grad_ready.
-        self._accum_prescale = prescale if o.use_grad_accum_attribute else None
-        if o.use_grad_accum_attribute:
-            prescale = 1.0
-
         groups: dict[int, tuple[Any, list[int]]] = {}
         self.layouts: list[Layout] = []
         local_error: Exception | None = None
@@ -131,24 +172,31 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
 
         for _, indices in groups.values():
             indices.sort(key=completes)
-        # With an elementwise optimizer the step updates runs of sub-groups as one tensor: the
-        # shards of a reducer are then one arena, in sub-group order. See [Note: optimizer arenas].
-        use_arenas = type(o.optimizer) in ELEMENTWISE and o.partition_gradients
+        return groups
 
+    def _make_reducers(self, groups: dict[int, tuple[Any, list[int]]], use_arenas: bool) -> None:
+        """One ``BucketReducer`` per process group, one bucket per sub-group, with stock's scales."""
+        from ....reducer import BucketReducer
+
+        o, cfg = self.optimizer, self.cfg
+        prescale, postscale = stock_scales(o)
+        # ZeRO-1 with a wider accumulation dtype keeps DeepSpeed's param.grad_accum; it is
+        # pre-scaled in that dtype before the cast to the comm dtype, as stock does. See grad_ready.
+        self._accum_prescale = prescale if o.use_grad_accum_attribute else None
+        if o.use_grad_accum_attribute:
+            prescale = 1.0
         self.reducers: list[Any] = []
         concat_position: list[int] = [0] * len(self.layouts)  # sub-group -> its row in the reducers' stats, stacked
-        self._step_stats: torch.Tensor | None = None
         self.methods: set[str] = set()
-        self.device = torch.device(get_accelerator().current_device_name())
         self._slot: list[tuple[Any, int]] = [None] * len(self.layouts)  # type: ignore[list-item]
         self._reducer_of: dict[int, Any] = {}
         for pg, indices in groups.values():
             reducer = BucketReducer(
                 [list(o.round_robin_bit16_groups[i]) for i in indices],
                 process_group=pg,
-                comm_dtype=comm_dtype,
+                comm_dtype=cfg.torch_comm_dtype() or o.communication_data_type,
                 layout="flat",
-                align=align,
+                align=int(o.nccl_start_alignment_factor),
                 average=False,
                 prescale=prescale,
                 postscale=postscale,
@@ -173,44 +221,17 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
                     self._reducer_of[id(p)] = reducer
             self.reducers.append(reducer)
             self.methods.add(comm.resolve_method(cfg.reduce_scatter_method, pg, self.device))
-
-        # How step()'s per-piece views lie in each sub-group's partition, planned once; the
-        # partitions themselves live for one accumulation window. See [Note: ZeRO-2 memory].
-        self._buffer_group = GradPartitionBufferGroup
         self._stats_order = torch.tensor(concat_position, dtype=torch.long, device=self.device)
-        self._view_plans = [
-            view_plan(layout, self._slot[i][0].rank, o.round_robin_bit16_groups[i])
-            for i, layout in enumerate(self.layouts)
-        ]
-        self.partitions: list[Any] | None = None
-        self._gather_plan: list[tuple[comm.AllGatherPlan, list[int]]] | None = None
-        self._stats_stale = False
-        self._bit16_viewed = [False] * len(self.layouts)
-        self._bit16_checks: tuple[list, list, list] | None = None
-        self._bit16_copy_lists: tuple[list, list] | None = None
-        self._window_open = False
-        self.reductions = 0
-        # MoE sub-groups by expert group, for the norm (stock averages them over that group).
+
+    def _moe_sub_groups(self) -> list[tuple[Any, torch.Tensor]]:
+        """MoE sub-groups by expert group, for the norm (stock averages them over that group)."""
+        o = self.optimizer
         moe: dict[int, tuple[Any, list[int]]] = {}
         for i, group in enumerate(o.optimizer.param_groups):
             if o.has_moe_layers and o.is_moe_param_group[i]:
                 pg = o.real_dp_process_group[i]
                 moe.setdefault(id(pg), (pg, []))[1].append(i)
-        self._moe_groups = [
-            (pg, torch.tensor(indices, dtype=torch.long, device=self.device)) for pg, indices in moe.values()
-        ]
-        self.arenas: OptimizerArenas | None = None
-        if use_arenas:
-            self.arenas = OptimizerArenas(o, [sorted(indices) for _, indices in groups.values()])
-        self._bit16_params = [p for group in o.bit16_groups for p in group]
-        # On gloo the step's gather copies every chunk anyway: it takes this rank's bit16 partitions
-        # straight from the master arena (one cast), instead of a copy per sub-group first.
-        self._gather_from_arenas = self.arenas is not None and all(
-            comm.backend_name(r.process_group, self.device) == "gloo" for r in self.reducers
-        )
-        from deepspeed.runtime.constants import PIPE_REPLICATED
-
-        self._pipe_replicated = any(getattr(p, PIPE_REPLICATED, False) for p in self._bit16_params)
+        return [(pg, torch.tensor(indices, dtype=torch.long, device=self.device)) for pg, indices in moe.values()]
 
     # -- window: the micro-steps whose gradients one step() consumes
 
