@@ -191,3 +191,28 @@ def test_unpack_plan_reuses_outputs_and_checks_new_ones(name: str) -> None:
     want = [torch.zeros(p.length) for p in layout.pieces(rank)]
     reference.unpack(shard, layout, rank, want, True, 1.0, False, False)
     assert all(_bits_equal(a, b) for a, b in zip(fresh, want))
+
+
+@pytest.mark.parametrize("spelling", ["cpu", "cpu:0", torch.device("cpu"), torch.device("cpu", 0)])
+def test_plans_take_any_spelling_of_the_tensors_device(spelling) -> None:
+    """A plan compares every tensor's device with its own: ``cpu:0`` is where a CPU tensor
+    (device ``cpu``, no index) lives, as ``cuda`` is where a ``cuda:0`` tensor does."""
+    from flatgrad.kernels import wire
+
+    layout = Layout.chunked([5, 70], 2)
+    tensors = _tensors(layout, [torch.float32, torch.float32], seed=0)
+    plan = PackPlan(layout, tensors, device=spelling, backend="torch")
+    assert plan.device == torch.device("cpu")
+    assert _bits_equal(plan(tensors), _expected(tensors, layout, torch.float32, 1.0))
+    quantize = wire.PackQuantizePlan(layout, tensors, block=32, kind="int8", device=spelling, backend="torch")
+    quantize(tensors, torch.empty(quantize.wire_bytes, dtype=torch.uint8))
+
+
+def test_cuda_without_an_index_is_the_current_device(monkeypatch) -> None:
+    from flatgrad.kernels._plan import normalize_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert normalize_device("cuda") == torch.device("cuda", 3)
+    assert normalize_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert normalize_device("cuda:1") == torch.device("cuda", 1)
+    assert normalize_device("cpu:0") == torch.device("cpu") == normalize_device("cpu")

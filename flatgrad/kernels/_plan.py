@@ -42,7 +42,10 @@ from ..layout import Layout
 from . import _tables
 from ._backends import resolve_backend
 
-__all__ = ["PackPlan", "UnpackPlan", "DTYPES", "check_tensor", "check_scale", "check_pack_tensors", "overlaps"]
+__all__ = [
+    "PackPlan", "UnpackPlan", "DTYPES", "check_tensor", "check_scale", "check_pack_tensors", "normalize_device",
+    "overlaps",
+]  # fmt: skip
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -50,6 +53,21 @@ _NONE = -1  # dtype code of a missing tensor, and "any supported dtype" in a pla
 _COMPILED = ("cpu", "cuda")
 
 MaybeTensor = Optional[torch.Tensor]
+
+
+def normalize_device(device: torch.device | str) -> torch.device:
+    """``device`` as a tensor on it reports its device: ``cuda`` (no index) is the current CUDA device.
+
+    Plans compare every tensor's device with theirs, so ``"cuda"``, ``"cuda:0"`` and
+    ``torch.device("cuda", 0)`` must all become the device the tensors report
+    (``cuda:N``; a CPU tensor's device is ``cpu``, with no index, so ``cpu:0`` is ``cpu``).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_tensor(name: str, t: object, *, device: torch.device | None = None, numel: int | None = None) -> torch.Tensor:
@@ -105,7 +123,7 @@ def check_pack_tensors(
         if not present:
             raise ValueError(no_device)
         device = check_tensor(f"tensors[{present[0][0]}]", present[0][1]).device
-    device = torch.device(device)
+    device = normalize_device(device)
     for i, t in present:
         check_tensor(f"tensors[{i}]", t, device=device, numel=layout.numels[i])
     return device, present
