@@ -133,7 +133,10 @@ def quantize(
     if residual is not None:
         x = x + residual.view(world_size, s)
     xb = _blocks(x, block)
-    scale = xb.abs().amax(dim=-1) / QMAX[kind]
+    amax = xb.abs().amax(dim=-1)
+    # A tensor divisor on amax's device: ATen divides a CUDA tensor by a Python scalar as a multiply by
+    # its reciprocal, which is not the correctly rounded division the kernels do.
+    scale = amax / torch.full_like(amax, QMAX[kind])
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     y = torch.where(scale[..., None] == 0, torch.zeros_like(xb), xb / safe[..., None])
     if kind == "int8":
