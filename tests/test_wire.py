@@ -417,3 +417,67 @@ def test_pack_quantize_bad_input_names_the_argument(call, message):
     plan = wire.PackQuantizePlan(layout, grads, block=32, kind="int8", backend="cpu")
     with pytest.raises((ValueError, TypeError), match=message):
         call(plan, grads, torch.zeros(plan.wire_bytes, dtype=torch.uint8))
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """fp32 bits, every NaN as one (a NaN's sign and payload are not part of the contract; the codes are)."""
+    return None if t is None else torch.where(torch.isnan(t), float("nan"), t).view(torch.int32)
+
+
+def _nonfinite_packed(world_size: int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """Ones, with a NaN in block 0, +inf in block 1, -inf and NaN in block 2, +inf and -inf in block 3 (block 32)."""
+    x = torch.linspace(-3.0, 5.0, world_size * s)
+    for at, value in ((5, "nan"), (40, "inf"), (70, "-inf"), (71, "nan"), (100, "inf"), (101, "-inf")):
+        x[at] = float(value)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("kind", wire.KINDS)
+@pytest.mark.parametrize("feedback", [False, True])
+def test_nonfinite_input_matches_reference(backend, kind, feedback):
+    """NaN and inf in a block give the reference's codes (NaN: int8 0, fp8 0x7F), scales and residual, bitwise."""
+    world_size, s, block = 2, 96, 32
+    for dtype in (torch.float32, torch.bfloat16):
+        packed = _nonfinite_packed(world_size, s, dtype)
+        residual = torch.full((world_size * s,), 1e-3) if feedback else None
+        results = []
+        for name in ("torch", backend):
+            w = _wire_buffer(world_size, s, block)
+            r = None if residual is None else residual.clone()
+            wire.quantize(packed, world_size, block, kind, w, r, backend=name)
+            out = torch.full((s,), 7.0)
+            wire.dequantize_sum(w, world_size, block, kind, out, backend=name)
+            results.append((*_meaningful(w, world_size, s, block, kind), _bits(r), _bits(out)))
+        (v0, s0, r0, o0), (v1, s1, r1, o1) = results
+        assert torch.equal(_bits(s0), _bits(s1)), f"{dtype}: scales differ: {s0.tolist()} vs {s1.tolist()}"
+        assert torch.equal(v0, v1), f"{dtype}: values differ at {(v0 != v1).nonzero()[:5].tolist()}"
+        assert torch.equal(o0, o1), f"{dtype}: dequantized values differ"
+        if feedback:
+            assert torch.equal(r0, r1), f"{dtype}: residuals differ"
+        # The same through the fused pack-quantize.
+        layout = Layout.flat([world_size * s], world_size)
+        v2, s2, r2 = _pack_quantized(backend, layout, [packed], block, kind, 1.0, residual, plan=True)
+        v3, s3, r3 = _pack_quantized("torch", layout, [packed], block, kind, 1.0, residual)
+        assert torch.equal(v2, v3) and torch.equal(_bits(s2), _bits(s3)), f"{dtype}: pack-quantize differs"
+        if feedback:
+            assert torch.equal(_bits(r2), _bits(r3)), f"{dtype}: pack-quantize residuals differ"
+
+
+@pytest.mark.parametrize("kind", wire.KINDS)
+def test_reference_nonfinite_blocks_dequantize_to_nan(kind):
+    """A block holding NaN or inf decodes to NaN in every element; NaN's code is int8 0 / fp8 0x7F; other blocks stay finite."""
+    world_size, s, block = 1, 160, 32
+    packed = _nonfinite_packed(world_size, s, torch.float32)
+    w = _wire_buffer(world_size, s, block)
+    wire.quantize(packed, world_size, block, kind, w, backend="torch")
+    values, scales = _meaningful(w, world_size, s, block, kind)
+    assert torch.isnan(scales[0, 0]) and torch.isinf(scales[0, 1]) and torch.isnan(scales[0, 2])
+    assert torch.isinf(scales[0, 3]) and torch.isfinite(scales[0, 4])
+    nan_code = 0 if kind == "int8" else 0x7F
+    for at in (5, 40, 70, 71, 100, 101):
+        assert values[0, at].item() == nan_code, (at, values[0, at].item())
+    out = torch.zeros(s)
+    wire.dequantize_sum(w, world_size, block, kind, out, backend="torch")
+    assert torch.isnan(out[: 4 * block]).all(), out[: 4 * block]
+    assert torch.isfinite(out[4 * block :]).all()

@@ -112,19 +112,7 @@ __device__ __forceinline__ void quantize_block(Load x, int64_t n, float* __restr
     if (r != nullptr) v = __fadd_rn(v, r[k]);
     float dq = 0.0f;
     uint8_t code = 0;
-    if (scale != 0.0f) {
-      const float y = __fdiv_rn(v, scale);
-      if (kind == wire::kInt8) {
-        const float q = rintf(y);  // round half to even
-        const int8_t qi = q != q ? int8_t(0) : static_cast<int8_t>(fminf(127.0f, fmaxf(-127.0f, q)));
-        code = static_cast<uint8_t>(qi);
-        dq = static_cast<float>(qi);
-      } else {
-        const c10::Float8_e4m3fn q(fminf(448.0f, fmaxf(-448.0f, y)));
-        code = q.x;
-        dq = static_cast<float>(q);
-      }
-    }
+    if (scale != 0.0f) code = wire::quantize_code(__fdiv_rn(v, scale), kind, &dq);
     values[k] = code;
     if (r != nullptr) r[k] = __fsub_rn(v, __fmul_rn(dq, scale));
   }

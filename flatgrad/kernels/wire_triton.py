@@ -81,6 +81,24 @@ def _fp8_decode(code):
 
 
 @_jit
+def _quantize_code(y, KIND: tl.constexpr):
+    """``(code int32, its fp32 value)`` of ``y = x / scale``, as ``wire_reference.quantize_codes``.
+
+    NaN is int8 0 and fp8 0x7F; it is replaced by 0 before the clamps (``tl.maximum``
+    drops NaN on the GPU, so the lowest code would come out) and the encoding.
+    """
+    nan = y != y
+    y = tl.where(nan, 0.0, y)
+    if KIND == 0:
+        dq = tl.minimum(tl.maximum(_rne_int(y), -127.0), 127.0)
+        code = dq.to(tl.int32)
+    else:
+        code = tl.where(nan, 0x7F, _fp8_encode(tl.minimum(tl.maximum(y, -448.0), 448.0)))
+        dq = _fp8_decode(code)
+    return code, dq
+
+
+@_jit
 def _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE: tl.constexpr, STATS: tl.constexpr):
     if scale != 1.0:
         acc = acc * scale
@@ -129,12 +147,7 @@ def _quantize_store(
     zero = scale == 0.0
     y = tl.math.div_rn(x, tl.where(zero, 1.0, scale))
     y = tl.where(zero, 0.0, y)
-    if KIND == 0:
-        dq = tl.minimum(tl.maximum(_rne_int(y), -127.0), 127.0)
-        code = dq.to(tl.int32)
-    else:
-        code = _fp8_encode(tl.minimum(tl.maximum(y, -448.0), 448.0))
-        dq = _fp8_decode(code)
+    code, dq = _quantize_code(y, KIND)
     tl.store(values_ptr + w * seg + in_segment, code.to(tl.int8), mask=mask)
     tl.store(scales_ptr + (w * seg + scales_at) // 4 + j, scale)
     if HAS_RES:
