@@ -333,10 +333,13 @@ class PackQuantizePlan(_Plan):
             if self._table.refresh(tensors, "tensors", wire, "wire", True):
                 self._table.upload()
             if self.backend in _COMPILED:
-                self._op(
-                    self._table.on_device, self._runs, self.layout.numel, self.layout.world_size, self.block,
-                    self._kind_code, scale, wire, residual,
-                )  # fmt: skip
+                try:
+                    self._op(
+                        self._table.acquire(), self._runs, self.layout.numel, self.layout.world_size, self.block,
+                        self._kind_code, scale, wire, residual,
+                    )  # fmt: skip
+                finally:
+                    self._table.release()
             else:
                 self._kernels.pack_quantize(tensors, self.layout, scale, self.block, self.kind, wire, residual)
 
