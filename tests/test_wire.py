@@ -481,3 +481,65 @@ def test_reference_nonfinite_blocks_dequantize_to_nan(kind):
     wire.dequantize_sum(w, world_size, block, kind, out, backend="torch")
     assert torch.isnan(out[: 4 * block]).all(), out[: 4 * block]
     assert torch.isfinite(out[4 * block :]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# 64-bit offsets in the Triton wire kernels, through the interpreter, without a large allocation
+
+
+def _lazy(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over an anonymous mapping of ``nbytes``: untouched pages read as zeros and cost no memory."""
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=dtype)
+
+
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1): it runs one program over a large logical size",
+)
+
+# Sizes that fit in i32 (so the launcher passes them as i32) while W * size does not. The source
+# pointer is 2^31 elements into its mapping: an offset that wraps to a negative i32 still lands
+# inside it (on zeros), so the old arithmetic gives a wrong sum instead of a fault.
+_WRAP = 2**31
+
+
+@needs_interpreter
+def test_triton_sum_offsets_past_2_31_elements():
+    from flatgrad.kernels import wire_triton
+
+    world_size, s, block = 3, 2**30 + 1024, 1024  # source 2 starts at 2^31 + 2048 elements
+    mapping = _lazy((_WRAP + world_size * s) * 2, torch.bfloat16)
+    recv = mapping[_WRAP:]
+    for w in range(world_size):
+        recv[w * s : w * s + block] = float(w + 1)
+    out = torch.full((block,), float("nan"))  # program 0 only: the first block of the shard
+    dummy = torch.zeros(2, dtype=torch.int32)
+    wire_triton._sum_kernel[(1,)](
+        recv, out, s, world_size, 1.0, dummy.view(torch.float32), dummy, ACCUMULATE=False, STATS=False, BLOCK=block,
+    )  # fmt: skip
+    assert out.tolist() == [6.0] * block, f"got {out[:4].tolist()}: a source offset past 2^31 wrapped"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", wire.KINDS)
+def test_triton_dequantize_sum_offsets_past_2_gib(kind):
+    from flatgrad.kernels import wire_triton
+
+    world_size, s, block = 3, 2**30, 4096
+    seg = wire.segment_bytes(s, block)  # fits in i32; segment 2 starts past 2 GiB
+    mapping = _lazy(_WRAP + world_size * seg, torch.uint8)
+    wire_buf = mapping[_WRAP:]
+    one = 1 if kind == "int8" else 0x38  # fp8 e4m3fn 1.0
+    for w in range(world_size):
+        wire_buf[w * seg : w * seg + block] = one
+        wire_buf[w * seg + wire_reference.round16(s) :][:4].view(torch.float32)[0] = float(w + 1)
+    out = torch.full((block,), float("nan"))
+    dummy = torch.zeros(2, dtype=torch.int32)
+    wire_triton._dequantize_sum_kernel[(1,)](
+        wire_buf.view(torch.int8), wire_buf.view(torch.float32), out, s, seg, wire_reference.round16(s), world_size,
+        1.0, dummy.view(torch.float32), dummy, KIND=wire_triton._KINDS[kind], ACCUMULATE=False, STATS=False,
+        BLOCK=block,
+    )  # fmt: skip
+    assert out.tolist() == [6.0] * block, f"got {out[:4].tolist()}: a segment offset past 2 GiB wrapped"

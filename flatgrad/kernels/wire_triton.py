@@ -123,8 +123,10 @@ def _sum_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < shard_numel
     acc = _to_f32(tl.load(src_ptr + offs, mask=mask, other=0))
+    source = tl.full([], 0, tl.int64)  # w * shard_numel in i64: an i32 shard_numel would overflow past 2^31
     for w in range(1, world_size):
-        acc = acc + _to_f32(tl.load(src_ptr + w * shard_numel + offs, mask=mask, other=0))
+        source += shard_numel
+        acc = acc + _to_f32(tl.load(src_ptr + source + offs, mask=mask, other=0))
     _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE, STATS)
 
 
@@ -239,14 +241,16 @@ def _dequantize_sum_kernel(
     offs = j * BLOCK + tl.arange(0, BLOCK)
     mask = offs < shard_numel
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    segment = tl.full([], 0, tl.int64)  # w * seg in i64: an i32 seg would overflow once the wire passes 2 GiB
     for w in range(0, world_size):
-        raw = tl.load(values_ptr + w * seg + offs, mask=mask, other=0).to(tl.int32)
+        raw = tl.load(values_ptr + segment + offs, mask=mask, other=0).to(tl.int32)
         if KIND == 0:
             q = raw.to(tl.float32)
         else:
             q = _fp8_decode(raw & 0xFF)
-        v = q * tl.load(scales_ptr + (w * seg + scales_at) // 4 + j)
+        v = q * tl.load(scales_ptr + (segment + scales_at) // 4 + j)
         acc = tl.where(w == 0, v, acc + v)
+        segment += seg
     _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE, STATS)
 
 
