@@ -543,3 +543,35 @@ def test_triton_dequantize_sum_offsets_past_2_gib(kind):
         BLOCK=block,
     )  # fmt: skip
     assert out.tolist() == [6.0] * block, f"got {out[:4].tolist()}: a segment offset past 2 GiB wrapped"
+
+
+@needs_interpreter
+def test_triton_wire_launches_enter_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: each of the four wire launches must enter the tensors' one."""
+    import contextlib
+
+    from flatgrad.kernels import wire_triton
+
+    entered = []
+
+    def on_device(device):
+        entered.append(device)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(wire_triton, "_on_device", on_device)
+    kernels = wire_triton.Backend()
+    world_size, s, block = 2, 64, 32
+    packed = torch.randn(world_size * s)
+    w = _wire_buffer(world_size, s, block)
+    launches = {
+        "sum_sources": lambda: kernels.sum_sources(packed, world_size, torch.empty(s), 1.0, False),
+        "quantize": lambda: kernels.quantize(packed, world_size, block, "int8", w, None),
+        "pack_quantize": lambda: kernels.pack_quantize(
+            [packed], Layout.flat([world_size * s], world_size), 1.0, block, "int8", w, None
+        ),
+        "dequantize_sum": lambda: kernels.dequantize_sum(w, world_size, block, "int8", torch.empty(s), 1.0, False),
+    }
+    for name, launch in launches.items():
+        entered.clear()
+        launch()
+        assert entered == [torch.device("cpu")], f"{name} launched without entering the tensors' device"

@@ -12,6 +12,9 @@ and on sm_90 alike, where Triton's own conversions differ between them:
   bit operations (the same trick at the value's quantum), so no backend-specific
   float8 cast is involved.
 
+Every launch enters the tensors' device first (``triton_backend._on_device``):
+Triton launches on the current CUDA device, whatever the tensors'.
+
 ``_pack_quantize_kernel`` (see [Note: pack-quantize] in ``wire_reference.py``)
 reads the gradients through the pack run table and ``triton_backend``'s pointer
 tables (see [Note: triton pointer tables]) and shares the quantize itself
@@ -282,10 +285,11 @@ class Backend:
         programs = triton.cdiv(s, _SUM_BLOCK)
         sum_sq, nonfinite = _partials(programs, stats, out.device)
         if programs:
-            _sum_kernel[(programs,)](
-                recv, out, s, world_size, scale, sum_sq, nonfinite, ACCUMULATE=accumulate, STATS=stats,
-                BLOCK=_SUM_BLOCK, **_OPTIONS,
-            )  # fmt: skip
+            with _on_device(out.device):
+                _sum_kernel[(programs,)](
+                    recv, out, s, world_size, scale, sum_sq, nonfinite, ACCUMULATE=accumulate, STATS=stats,
+                    BLOCK=_SUM_BLOCK, **_OPTIONS,
+                )  # fmt: skip
         return _reduce(sum_sq, nonfinite, programs, stats)
 
     def quantize(
@@ -294,11 +298,12 @@ class Backend:
         s = packed.numel() // world_size
         nb = nblocks(s, block)
         wire = wire[: world_size * segment_bytes(s, block)]
-        _quantize_kernel[(world_size * nb,)](
-            packed, residual if residual is not None else packed, wire.view(torch.int8), wire.view(torch.float32), s,
-            segment_bytes(s, block), round16(s), nb, KIND=_KINDS[kind], HAS_RES=residual is not None, BLOCK=block,
-            **_OPTIONS,
-        )  # fmt: skip
+        with _on_device(packed.device):
+            _quantize_kernel[(world_size * nb,)](
+                packed, residual if residual is not None else packed, wire.view(torch.int8), wire.view(torch.float32),
+                s, segment_bytes(s, block), round16(s), nb, KIND=_KINDS[kind], HAS_RES=residual is not None,
+                BLOCK=block, **_OPTIONS,
+            )  # fmt: skip
 
     def pack_quantize(
         self, tensors: Sequence[torch.Tensor | None], layout: Layout, scale: float, block: int, kind: str,
@@ -331,11 +336,12 @@ class Backend:
         sum_sq, nonfinite = _partials(programs, stats, out.device)
         wire = wire[: world_size * segment_bytes(s, block)]
         if programs:
-            _dequantize_sum_kernel[(programs,)](
-                wire.view(torch.int8), wire.view(torch.float32), out, s, segment_bytes(s, block), round16(s),
-                world_size, scale, sum_sq, nonfinite, KIND=_KINDS[kind], ACCUMULATE=accumulate, STATS=stats,
-                BLOCK=block, **_OPTIONS,
-            )  # fmt: skip
+            with _on_device(out.device):
+                _dequantize_sum_kernel[(programs,)](
+                    wire.view(torch.int8), wire.view(torch.float32), out, s, segment_bytes(s, block), round16(s),
+                    world_size, scale, sum_sq, nonfinite, KIND=_KINDS[kind], ACCUMULATE=accumulate, STATS=stats,
+                    BLOCK=block, **_OPTIONS,
+                )  # fmt: skip
         return _reduce(sum_sq, nonfinite, programs, stats)
 
 
