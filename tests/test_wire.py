@@ -575,3 +575,26 @@ def test_triton_wire_launches_enter_the_tensors_device(monkeypatch):
         entered.clear()
         launch()
         assert entered == [torch.device("cpu")], f"{name} launched without entering the tensors' device"
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+def test_misaligned_wire_is_refused_by_name(backend):
+    """The fp32 scales sit at 16-byte multiples from the wire's start: a wire 1 byte off is refused, naming it."""
+    world_size, s, block = 2, 64, 32
+    packed = torch.randn(world_size * s)
+    misaligned = _wire_buffer(world_size, s, block + 4)[1:]  # still large enough
+    layout = Layout.flat([world_size * s], world_size)
+    calls = {
+        "quantize": lambda: wire.quantize(packed, world_size, block, "int8", misaligned, backend=backend),
+        "dequantize_sum": lambda: wire.dequantize_sum(misaligned, world_size, block, "fp8", torch.empty(s), backend=backend),
+        "pack_quantize": lambda: wire.pack_quantize([packed], layout, block, "int8", misaligned, backend=backend),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"wire must start at a 4-byte aligned address"):
+            call()
+    if backend == "cpu":  # the compiled ops check it too, for callers that skip the wrappers
+        ops = torch.ops.flatgrad
+        with pytest.raises(RuntimeError, match=r"wire_quantize: wire must start at a 4-byte aligned"):
+            ops.wire_quantize(packed, world_size, block, 0, misaligned, None)
+        with pytest.raises(RuntimeError, match=r"wire_dequantize_sum: wire must start at a 4-byte aligned"):
+            ops.wire_dequantize_sum(misaligned, world_size, block, 0, torch.empty(s), 1.0, False, False)

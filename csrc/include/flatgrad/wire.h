@@ -29,6 +29,10 @@ FLATGRAD_HD int64_t nblocks(int64_t shard_numel, int64_t block) { return (shard_
 FLATGRAD_HD int64_t segment_bytes(int64_t shard_numel, int64_t block) {
   return round16(shard_numel) + round16(4 * nblocks(shard_numel, block));
 }
+// The fp32 scales are read and written in place, at offsets that are multiples of 16 from the
+// wire's start (segment_bytes and round16 above): the wire must start 4-byte aligned.
+inline bool scales_aligned(const void* wire) { return reinterpret_cast<uintptr_t>(wire) % 4 == 0; }
+
 FLATGRAD_HD float qmax(int64_t kind) { return kind == kInt8 ? 127.0f : 448.0f; }
 
 // The wire code of y = x / scale in a block whose scale is not 0, and in *dq the code's fp32 value:
