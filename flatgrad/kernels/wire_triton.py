@@ -349,8 +349,46 @@ def _flags(accumulate: bool, stats: bool) -> str:
     return "".join(f",{flag}" for flag, on in (("accumulate", accumulate), ("stats", stats)) if on)
 
 
+def _launch_sizes(block: int) -> dict[str, dict[str, dict[str, int]]]:
+    """Integer arguments of representative launches, per kernel: what the launchers pass for a
+    typical bucket (sizes that fit in i32, some multiples of 16) and for one rank with one block
+    and one run (the values Triton turns into constants)."""
+    sizes = {}
+    for label, s, world_size, runs in (("i32", 1000, 4, 7), ("ones", block, 1, 1)):
+        seg, nb = segment_bytes(s, block), nblocks(s, block)
+        sizes[label] = {
+            "_sum_kernel": {"shard_numel": s, "world_size": world_size},
+            "_quantize_kernel": {"shard_numel": s, "seg": seg, "scales_at": round16(s), "nblocks": nb},
+            "_pack_quantize_kernel": {
+                "num_runs": runs, "shard_numel": s, "seg": seg, "scales_at": round16(s), "nblocks": nb,
+            },  # fmt: skip
+            "_dequantize_sum_kernel": {
+                "shard_numel": s, "seg": seg, "scales_at": round16(s), "world_size": world_size,
+            },  # fmt: skip
+        }
+    return sizes
+
+
 def kernel_specs(block: int = 256) -> list:
-    """Every (kernel, specialisation) the launchers use, at quantization ``block``, for ``.ci/triton_compile.py``."""
+    """Every (kernel, specialisation) the launchers use, at quantization ``block``, for ``.ci/triton_compile.py``.
+
+    Each kernel comes with its sizes declared i64 (what launches once a size passes 2^31), then
+    as launched with i32 sizes for every dtype combination (``[...|i32]``), and with the sizes
+    Triton makes constants (``[...|ones]``, bf16 only); see ``KernelSpec.launch``.
+    """
+    declared = _declared_specs(block)
+    sizes = _launch_sizes(block)
+    launched = []
+    for spec in declared:
+        kernel = spec.fn.__name__
+        for label, by_kernel in sizes.items():
+            if label == "ones" and "bf16" not in spec.name:
+                continue
+            launched.append(spec._replace(name=f"{spec.name[:-1]}|{label}]", launch=by_kernel[kernel]))
+    return declared + launched
+
+
+def _declared_specs(block: int) -> list:
     from .triton_backend import KernelSpec
 
     short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
