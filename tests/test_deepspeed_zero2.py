@@ -158,12 +158,15 @@ _BITWISE_CASES = [
     (2, 0.0, 2, {"round_robin_gradients": True}),
     (2, 0.0, 2, {"reduce_scatter": False}, {"gradient_predivide_factor": 4.0}),
     (2, 0.0, 2, {}, {"managed_gradient_accumulation": False}),
+    (2, 0.05, 2),
+    (1, 0.05, 2),
 ]
 
 
 @pytest.mark.timeout(150)
 def test_fp32_bitwise_equal_to_stock_on_two_ranks():
-    """ZeRO-2 and ZeRO-1 (and their options), 10 steps, accumulation 2, no clipping: losses and parameters bitwise."""
+    """ZeRO-2 and ZeRO-1 (and their options), 10 steps, accumulation 2, with and without clipping: losses and
+    parameters bitwise."""
     results = launch(_equivalence_rank, 2, _BITWISE_CASES)
     for rank_results in results:
         for case, r in zip(_BITWISE_CASES, rank_results):
@@ -183,11 +186,12 @@ def test_fp32_bitwise_equal_to_stock_on_two_ranks():
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "world_size,cases",
-    [(2, [(2, 0.05, 2), (1, 0.05, 2)]), (4, [(2, 0.0, 2), (2, 0.05, 2), (1, 0.05, 2)])],
-    ids=["2ranks-clip", "4ranks"],
+    [(4, [(2, 0.0, 2), (2, 0.05, 2), (1, 0.05, 2)])],
+    ids=["4ranks"],
 )
 def test_fp32_close_to_stock_with_clipping_and_on_four_ranks(world_size, cases):
-    """Clipping (a norm summed in another order) and 4 ranks (another summation order): within 1e-6."""
+    """4 ranks, with and without clipping: gloo adds 4 ranks' gradients in another order in stock's all_reduce
+    than in flatgrad's reduce_scatter (see test_above_two_ranks_...): within 1e-6."""
     for rank_results in launch(_equivalence_rank, world_size, cases, timeout=180):
         for (stage, clip, _), r in zip(cases, rank_results):
             (s_loss, s_par, *_), (f_loss, f_par, *_) = r["stock"], r["flatgrad"]
