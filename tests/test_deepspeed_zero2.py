@@ -160,6 +160,7 @@ _BITWISE_CASES = [
     (2, 0.0, 2, {}, {"managed_gradient_accumulation": False}),
     (2, 0.05, 2),
     (1, 0.05, 2),
+    (2, 0.05, 2, {"round_robin_gradients": True}),
 ]
 
 

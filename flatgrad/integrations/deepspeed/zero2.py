@@ -54,7 +54,10 @@ so its stats are exactly what both checks need. ``has_overflow`` and
 ``scaled_global_norm`` are replaced to use them: one all_reduce of
 ``sub-groups + 1`` floats over the data-parallel group serves both, and MoE
 groups are then averaged over their expert group as stock does. Summation
-order differs from stock's per-piece norms (within fp32 rounding). With model
+order differs from stock's per-piece norms (within fp32 rounding), so a norm
+that clips is stock's instead: read from the partitions per piece of stock's
+partitions, in the same one all_reduce (see [Note: stock clipping norm] in
+``stock_norm.py``; MoE runs keep the stats). With model
 or pipeline parallelism, where stock filters pieces by rank, the norm is read
 from the partitions as stock does; so it is in a window where a gradient was
 written through DeepSpeed's API after its unpack (``safe_set_full_grad`` ends
