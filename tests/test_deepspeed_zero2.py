@@ -110,6 +110,54 @@ def test_split_param_groups_rejects_bad_bucket():
         split_param_groups([{"params": [torch.nn.Parameter(torch.zeros(3))]}], {}, 0)
 
 
+# --------------------------------------------------------------------------- the clipping norm's plan (no ranks)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 30), min_size=1, max_size=10),
+    bucket=st.integers(1, 50),
+    world_size=st.integers(1, 5),
+    groups=st.integers(1, 2),
+)
+def test_stock_norm_sums_every_element_once_into_its_stock_rank(numels, bucket, world_size, groups):
+    """Over all ranks, ``StockNorm.partial_sums`` of flatgrad's sub-group partitions add up to the squared norm of
+    each of stock's per-rank partitions of each unsplit group, within fp64 rounding (a norm squared, as stock
+    squares its per-piece norms); ranks without elements add zeros."""
+    from flatgrad.integrations.deepspeed.stock_norm import StockNorm
+    from flatgrad.integrations.deepspeed.zero2 import split_param_groups
+    from flatgrad.layout import Layout
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
+    grads = {id(p): torch.arange(1, p.numel() + 1, dtype=torch.float32) * (k + 1) for k, p in enumerate(params)}
+    order = {p: i for i, p in enumerate(params)}
+    unsplit = [[p for p in params[g::groups] if p.numel() > 0] for g in range(groups)]
+    unsplit = [ps for ps in unsplit if ps]
+    if not unsplit:
+        return
+    subs = [sub["params"] for sub in split_param_groups([{"params": ps} for ps in unsplit], order, bucket)]
+    layouts = [Layout.flat([p.numel() for p in ps], world_size, 2) for ps in subs]
+    total = torch.zeros(len(unsplit) * world_size, dtype=torch.float64)
+    for rank in range(world_size):
+        plan = StockNorm(unsplit, subs, layouts, rank, world_size, 2, torch.device("cpu"))
+        partitions = []
+        for ps, layout in zip(subs, layouts):
+            flat = torch.zeros(layout.numel)
+            for p, offset in zip(ps, layout.offsets):
+                flat[offset : offset + p.numel()] = grads[id(p)]
+            partitions.append(flat.narrow(0, rank * layout.shard_numel, layout.shard_numel))
+        total += plan.partial_sums(partitions)
+        assert plan.metadata_bytes() == 8 * len(plan.segments)
+    expected = []
+    for ps in unsplit:
+        stock = Layout.flat([p.numel() for p in ps], world_size, 2)
+        flat = torch.zeros(stock.numel, dtype=torch.float64)
+        for p, offset in zip(ps, stock.offsets):
+            flat[offset : offset + p.numel()] = grads[id(p)].double()
+        expected += [float(chunk.pow(2).sum()) for chunk in flat.split(stock.shard_numel)]
+    assert torch.allclose(total, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0), (total, expected)
+
+
 # --------------------------------------------------------------------------- fp32 equivalence
 
 
