@@ -1,24 +1,17 @@
 """ZeRO-1/2's clipping norm computed as stock DeepSpeed computes it, over flatgrad's sub-group partitions.
 
 [Note: stock clipping norm]
-The clip factor is ``clip / (norm + 1e-6)``: a norm 1 ulp off changes every
-gradient by 1 ulp, and Adam, which divides by the gradient's own scale, turns
-that into parameter differences SGD would hide. Stock's norm per param group
-is: on every rank, one fp64 ``vector_norm`` per piece of *its* partition of
-the unsplit group, squared, summed in fp64, cast to fp32; those fp32 values
-summed over the ranks by one all_reduce; the root in fp32; then the groups'
-norms combined by ``combine_grad_norm_groups``. flatgrad's partitions are
-per sub-group, so another rank can hold part of stock's partition of rank
-``r``. ``StockNorm`` plans once where stock's pieces lie in this rank's
-partitions (a segment per piece of a parameter that stays in one stock
-partition), sums their squared fp64 norms per (group, stock rank), and
-``combine`` takes it from there as stock does: one fp64 all_reduce gives every
-rank the fp64 sums of every stock rank (within fp64 rounding of stock's, so
-equal after the fp32 cast but for a tie within 1e-16); on up to 2 ranks
-the fp32 sum over the ranks is order-free, above 2 ranks it is stock's own
-all_reduce of this rank's fp32 value, one per param group, so it adds in
-stock's order. Used for clipping only: the unclipped norm is only reported,
-and the unpack's stats give it with no pass over the partitions.
+The clip factor divides every gradient by the norm: a norm 1 ulp off moves
+them all by 1 ulp, which Adam turns into parameter differences. Stock's norm
+per param group: on each rank one fp64 norm per piece of its partition of the
+unsplit group, squared and summed in fp64, cast to fp32, summed over the ranks
+by an all_reduce, rooted in fp32; then ``combine_grad_norm_groups``. Another
+flatgrad rank may hold part of stock's partition of rank ``r``, so
+``StockNorm`` plans once where stock's pieces lie in this rank's partitions and
+sums their squared fp64 norms per (group, stock rank); one fp64 all_reduce
+completes them (equal to stock's after the fp32 cast). Up to 2 ranks the fp32
+sum over ranks is order-free; above, it is stock's own all_reduce, one per
+param group. Unclipped, the norm is only reported: the unpack's stats give it.
 """
 
 from __future__ import annotations
