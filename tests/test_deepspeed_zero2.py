@@ -393,7 +393,9 @@ def _wide_rank(rank: int, world_size: int, cell: tuple[str, int, bool, int]) -> 
 
     optimizer, gas, frozen, sub_groups = cell
     batches = _token_batches(rank, gas)
-    engines = {kind: _matrix_engine(kind, optimizer, gas, frozen, sub_groups, world_size) for kind in ("stock", "flatgrad")}
+    engines = {
+        kind: _matrix_engine(kind, optimizer, gas, frozen, sub_groups, world_size) for kind in ("stock", "flatgrad")
+    }
     grads: dict[str, dict[str, torch.Tensor]] = {}
     for kind, engine in engines.items():
         for k, (x, y) in enumerate(batches[:gas]):
