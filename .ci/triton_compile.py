@@ -1,6 +1,9 @@
 """Compile every Triton kernel of flatgrad's ``triton`` backend to sm_90, without a GPU.
 
-The wire kernels of the reduction modes (``wire_triton.kernel_specs()``) are included.
+The wire kernels of the reduction modes (``wire_triton.kernel_specs()``) are included,
+each with its sizes declared i64 and as the launcher specialises them for i32 sizes
+(divisibility hints, 1 as a constant; see ``launched``), so the variants that launch
+are compiled, not only the i64 declarations.
 
 Each (kernel, dtype specialisation) the launchers can launch, as listed by
 ``flatgrad.kernels.triton_backend.kernel_specs()``, goes through
@@ -82,9 +85,39 @@ def contract_violations(ptx: str, sass: str | None) -> list[str]:
     return found
 
 
+def launched(spec: triton_backend.KernelSpec) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, attrs)`` of ``spec`` as the launcher specialises it.
+
+    With ``spec.launch`` (example integer arguments), each of them goes through Triton's own
+    launch-time rule (``native_specialize_impl``, the one ``JITFunction.run`` applies): i32 or
+    i64, ``tt.divisibility=16`` for a multiple of 16, 1 as a constant. Pointers get the
+    divisibility a fresh (16-byte aligned) allocation gets.
+    """
+    signature, constexprs, attrs = dict(spec.signature), dict(spec.constexprs), {}
+    if spec.launch is None:
+        return signature, constexprs, attrs
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    names = list(signature)
+    for name, value in spec.launch.items():
+        kind, attr = native_specialize_impl(CUDABackend, value, False, True, True)
+        if kind == "constexpr":
+            signature[name], constexprs[name] = "constexpr", value
+        else:
+            signature[name] = kind
+        if attr == "D":
+            attrs[(names.index(name),)] = CUDABackend.parse_attr(attr)
+    for name, kind in signature.items():
+        if kind.startswith("*"):
+            attrs[(names.index(name),)] = CUDABackend.parse_attr("D")
+    return signature, constexprs, attrs
+
+
 def compile_spec(spec: triton_backend.KernelSpec):
     """``triton.compile`` one specialisation for sm_90."""
-    source = triton.compiler.ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
+    signature, constexprs, attrs = launched(spec)
+    source = triton.compiler.ASTSource(fn=spec.fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=TARGET, options=spec.options)
 
 

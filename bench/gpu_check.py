@@ -2,9 +2,11 @@
 
 Run it through ``bench/gpu_check.sh`` (its header says how to run it on the
 device machine). Steps, in order, each in its own process with its own timeout
-and all within one overall budget (``--budget``; ``--quick`` halves the
-budget, the timeouts and the work); a step that fails or times out is recorded
-and the next one runs:
+(``BUDGET``, whose default timeouts add up to at most 480 s: the default run
+fits in 8 minutes on one H200, a cold build included), all within one overall
+budget (``--budget``; ``--quick`` halves the budget, the timeouts and the
+work); a step that fails or times out is recorded and the next one runs. The
+order is by what a run cut short must not miss:
 
 * ``wheels``: installs ``.whl/*.whl`` (DeepSpeed and its missing dependencies)
   into a private folder put first on ``PYTHONPATH``; skipped without ``.whl/``.
@@ -14,15 +16,20 @@ and the next one runs:
   shared object is copied into ``flatgrad/``.
 * ``backends``: ``flatgrad.available_backends()``; fails unless ``cuda`` and
   ``triton`` both run on CUDA tensors.
-* ``test-cuda``, ``test-reducer``: ``tests/test_cuda.py``, and
-  ``tests/test_reducer_cuda.py`` (the reducer's stream hand-off over NCCL on
-  1 rank, and on 2 when 2 GPUs are visible).
-* ``bench``: ``flatgrad bench --device cuda`` on the transformer bucket.
+* ``test-kernels``: ``tests/test_kernels.py`` on the ``cuda`` and ``triton``
+  backends against the reference (few hypothesis examples: each new pointer
+  alignment compiles a Triton specialization).
+* ``test-cuda``: ``tests/test_cuda.py`` (streams, devices, tables, graphs).
+* ``wire``: ``bench/gpu_wire_check.py``: every wire mode (exact, int8, fp8;
+  quantize, fused pack-quantize, dequantize-sum) on ``cuda`` and ``triton``,
+  bitwise against the reference on the GPU.
+* ``test-reducer``: ``tests/test_reducer_cuda.py`` (the reducer's stream
+  hand-off over NCCL on 1 rank, and on 2 when 2 GPUs are visible).
 * ``zero-step``: ``bench/gpu_zero_step.py``: ZeRO-2 and ZeRO-3 steps on every
   visible GPU, stock DeepSpeed against flatgrad, losses and peak memory.
-* ``test-kernels``, ``test-triton``: ``tests/test_kernels.py`` on the ``cuda``
-  and ``triton`` backends, ``tests/test_triton.py``; last, as the least
-  predictable in time.
+* ``bench``: ``flatgrad bench --device cuda`` on the transformer bucket
+  (CUDA timings: calls between events behind a calibrated sleep).
+* ``test-triton``: ``tests/test_triton.py`` on CUDA tensors.
 
 A pytest step passes only when some test passed and none failed; its skip
 reasons are in the summary.
@@ -34,10 +41,11 @@ step), ``gpu_check.log`` (every step's output), ``bench.json`` and
 
 ``--dry-run`` runs no step. It checks each one on any machine, GPU or not:
 the files it names exist, Python snippets and scripts compile, the pytest
-selections collect (``pytest --collect-only``; a module skipped for want of a
-GPU must say so), and the bench and zero-step arguments parse with those
-commands' own parsers. It prints every command; the exit status is 1 if a
-check fails. ``FLATGRAD_GPU_CHECK_ROOT`` (or ``--root``) points it at another
+selections collect some test (``pytest --collect-only``; a module skipped for
+want of a GPU must say so, and a ``-k`` must match a test name in it), and the
+bench, wire and zero-step arguments parse with those commands' own parsers.
+It prints every command and the budget table (each step's timeout and their
+sum); the exit status is 1 if a check fails or the timeouts exceed the budget. ``FLATGRAD_GPU_CHECK_ROOT`` (or ``--root``) points it at another
 checkout.
 """
 
@@ -60,7 +68,7 @@ import time
 from typing import Any, Callable, Sequence
 
 __all__ = [
-    "Context", "Step", "plan", "check_step", "dry_run", "run_step", "run_all", "bench_figures", "zero_figures",
+    "BUDGET", "BUDGET_S", "Context", "Step", "budget_table", "plan", "check_step", "dry_run", "run_step", "run_all", "bench_figures", "zero_figures",
     "summary_text", "main",
 ]  # fmt: skip
 
@@ -192,9 +200,39 @@ def _pytest(ctx: Context, name: str, timeout: float, per_test: int, selection: t
     return Step(name, "pytest", argv, timeout, files=files, args=selection, env=env)
 
 
+# Seconds each step may take by default, in running order; ``--quick`` halves them. Sized for one
+# H200 and a cold build, so that the whole default run fits in 8 minutes: the sum is at most
+# ``BUDGET_S`` (``tests/test_gpu_check.py`` holds it to that). Ordered by what a short run must
+# not miss: the build, kernel correctness, the wire kernels, the reducer's stream hand-off over
+# NCCL, the ZeRO-2/3 steps, then throughput.
+BUDGET: dict[str, float] = {
+    "wheels": 10,
+    "env": 10,
+    "build": 120,
+    "backends": 10,
+    "test-kernels": 60,
+    "test-cuda": 40,
+    "wire": 40,
+    "test-reducer": 40,
+    "zero-step": 90,
+    "bench": 40,
+    "test-triton": 20,
+}
+BUDGET_S = 480.0
+
+
+def budget_table(steps: Sequence[Step], budget_s: float = BUDGET_S) -> str:
+    """The steps' timeouts, one line each, and their sum against ``budget_s``."""
+    lines = [f"  {s.name:<13} {s.timeout_s:6.0f} s" for s in steps]
+    total = sum(s.timeout_s for s in steps)
+    lines.append(f"  {'total':<13} {total:6.0f} s of {budget_s:g} s")
+    return "\n".join(lines)
+
+
 def plan(ctx: Context) -> list[Step]:
-    """Every step, in order, for ``ctx`` (``--quick`` halves timeouts and work)."""
+    """Every step, in order, for ``ctx`` (``--quick`` halves timeouts and work); timeouts from ``BUDGET``."""
     q = 0.5 if ctx.quick else 1.0
+    t = {name: seconds * q for name, seconds in BUDGET.items()}
     py = ctx.python
     wheels = tuple(sorted(glob.glob(os.path.join(ctx.root, ".whl", "*.whl"))))
     pip = (py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
@@ -210,28 +248,30 @@ def plan(ctx: Context) -> list[Step]:
         build_env += (("CUDA_HOME", "/usr/local/cuda"),)
     bench_args = (
         "bench", "--device", "cuda", "--buckets", "transformer", "--hidden", "1024" if ctx.quick else "2048",
-        "--repeats", "10" if ctx.quick else "30", "--warmup", "2" if ctx.quick else "5",
+        "--repeats", "5" if ctx.quick else "10", "--warmup", "2" if ctx.quick else "3",
         "--out", os.path.join(ctx.out, "bench.json"),
     )  # fmt: skip
-    zero_timeout = 240 * q
-    zero_args = ("--steps", "2" if ctx.quick else "3", "--timeout", str(int(zero_timeout / 4 - 5)),
+    zero_args = ("--steps", "2" if ctx.quick else "3", "--timeout", str(int(t["zero-step"] / 4 - 2)),
                  "--out", os.path.join(ctx.out, "zero_step.json"))  # fmt: skip
-    examples = (("FLATGRAD_TEST_EXAMPLES", "40" if ctx.quick else "100"),)
+    wire_args = ("--device", "cuda", "--backends", "cuda,triton") + (("--quick",) if ctx.quick else ())
+    # Few hypothesis examples: cases that vary pointer alignment make Triton compile a new
+    # specialization each, which is what makes this step's time hard to predict.
+    examples = (("FLATGRAD_TEST_EXAMPLES", "10" if ctx.quick else "20"),)
     return [
-        Step("wheels", "wheels", pip, 60, files=(".whl/*.whl",) if wheels else ()),
-        Step("env", "python", (py, "-c", ENV_SNIPPET), 60, snippet=ENV_SNIPPET),
-        Step("build", "build", setup, 300, files=("setup.py", "csrc/*.cpp", "csrc/cuda/*.cu"), env=build_env),
-        Step("backends", "python", (py, "-c", BACKENDS_SNIPPET), 60, snippet=BACKENDS_SNIPPET),
-        _pytest(ctx, "test-cuda", 120 * q, 60, ("tests/test_cuda.py",)),
-        _pytest(ctx, "test-reducer", 150 * q, 120, ("tests/test_reducer_cuda.py",)),
-        Step("bench", "bench", (py, "-m", "flatgrad", *bench_args), 150 * q,
-             files=("flatgrad/bench/pack_unpack.py",), args=bench_args),  # fmt: skip
-        Step("zero-step", "zero-step", (py, "bench/gpu_zero_step.py", *zero_args), zero_timeout,
+        Step("wheels", "wheels", pip, t["wheels"], files=(".whl/*.whl",) if wheels else ()),
+        Step("env", "python", (py, "-c", ENV_SNIPPET), t["env"], snippet=ENV_SNIPPET),
+        Step("build", "build", setup, t["build"], files=("setup.py", "csrc/*.cpp", "csrc/cuda/*.cu"), env=build_env),
+        Step("backends", "python", (py, "-c", BACKENDS_SNIPPET), t["backends"], snippet=BACKENDS_SNIPPET),
+        _pytest(ctx, "test-kernels", t["test-kernels"], 60, ("tests/test_kernels.py", "-k", "not cpu"), env=examples),
+        _pytest(ctx, "test-cuda", t["test-cuda"], 30, ("tests/test_cuda.py",)),
+        Step("wire", "wire", (py, "bench/gpu_wire_check.py", *wire_args), t["wire"],
+             files=("bench/gpu_wire_check.py",), args=wire_args),  # fmt: skip
+        _pytest(ctx, "test-reducer", t["test-reducer"], 40, ("tests/test_reducer_cuda.py",)),
+        Step("zero-step", "zero-step", (py, "bench/gpu_zero_step.py", *zero_args), t["zero-step"],
              files=("bench/gpu_zero_step.py",), args=zero_args),  # fmt: skip
-        # Last: hypothesis over many layouts, each new Triton specialization compiled on first use,
-        # is the least predictable in time; here it cannot starve the steps above of the budget.
-        _pytest(ctx, "test-kernels", 150 * q, 120, ("tests/test_kernels.py", "-k", "not cpu"), env=examples),
-        _pytest(ctx, "test-triton", 120 * q, 120, ("tests/test_triton.py",)),
+        Step("bench", "bench", (py, "-m", "flatgrad", *bench_args), t["bench"],
+             files=("flatgrad/bench/pack_unpack.py",), args=bench_args),  # fmt: skip
+        _pytest(ctx, "test-triton", t["test-triton"], 20, ("tests/test_triton.py", "-k", "not compile_check")),
     ]
 
 
@@ -267,10 +307,40 @@ def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
+_SCRIPT_ARGS = "import runpy, sys; runpy.run_path(sys.argv[1])['build_parser']().parse_args(sys.argv[2:])"
 _ARGS_CHECK = {
     "bench": "import sys; from flatgrad.cli import build_parser; build_parser().parse_args(sys.argv[1:])",
-    "zero-step": "import runpy, sys; runpy.run_path(sys.argv[1])['build_parser']().parse_args(sys.argv[2:])",
+    "zero-step": _SCRIPT_ARGS,
+    "wire": _SCRIPT_ARGS,
 }
+_SCRIPTS = {"zero-step": "bench/gpu_zero_step.py", "wire": "bench/gpu_wire_check.py"}
+
+
+def _keyword_matches_nothing(selection: Sequence[str], root: str) -> str | None:
+    """For a selection whose modules skip here (no GPU): a ``-k`` that no test name in them matches, or None.
+
+    pytest cannot collect a skipped module's tests, so their names are read from the source
+    (``def test_*``, ``class Test*``) and the expression is evaluated as ``-k`` does (substring
+    of a name, case-insensitive).
+    """
+    if "-k" not in selection:
+        return None
+    expression = selection[selection.index("-k") + 1]
+    names = []
+    for arg in selection:
+        if arg.endswith(".py") and os.path.isfile(os.path.join(root, arg)):
+            with open(os.path.join(root, arg)) as f:
+                names += re.findall(r"^\s*(?:async\s+)?(?:def|class)\s+((?:test|Test)\w*)", f.read(), re.MULTILINE)
+            names.append(os.path.basename(arg))
+    try:
+        from _pytest.mark.expression import Expression
+    except ImportError:  # pytest's internals moved: nothing to check with
+        return None
+    compiled = Expression.compile(expression)
+    for name in names:
+        if compiled.evaluate(lambda sub, *_, name=name, **__: sub.lower() in name.lower()):
+            return None
+    return expression
 
 
 def check_step(step: Step, ctx: Context) -> list[str]:
@@ -305,9 +375,12 @@ def check_step(step: Step, ctx: Context) -> list[str]:
             line.startswith("SKIPPED") and re.search(r"cuda|gpu", line, re.IGNORECASE) for line in output.splitlines()
         )
         if rc == 0 and collected == 0 or rc not in (0, 5) or (rc == 5 and not module_skip):
-            problems.append(f"pytest --collect-only {' '.join(step.args)} failed (exit {rc}):\n{_tail(output)}")
+            problems.append(f"pytest --collect-only {' '.join(step.args)} collects no test (exit {rc}):\n"
+                            f"{_tail(output)}")  # fmt: skip
+        elif module_skip and (unmatched := _keyword_matches_nothing(step.args, ctx.root)) is not None:
+            problems.append(f"-k {unmatched!r} matches no test in {' '.join(a for a in step.args if a.endswith('.py'))}")
     elif step.kind in _ARGS_CHECK:
-        extra = ("bench/gpu_zero_step.py",) if step.kind == "zero-step" else ()
+        extra = (_SCRIPTS[step.kind],) if step.kind in _SCRIPTS else ()
         rc, output = _run_quiet((ctx.python, "-c", _ARGS_CHECK[step.kind], *extra, *step.args), ctx)
         if rc != 0:
             problems.append(f"the arguments {' '.join(step.args)} do not parse (exit {rc}):\n{_tail(output)}")
@@ -332,6 +405,12 @@ def dry_run(steps: Sequence[Step], ctx: Context) -> int:
         for problem in problems:
             print("    " + problem.replace("\n", "\n    "))
     print(f"{len(steps) - failed} of {len(steps)} steps sound" + (f"; {failed} not" if failed else ""))
+    total, budget = sum(step.timeout_s for step in steps), BUDGET_S * (0.5 if ctx.quick else 1.0)
+    print(f"budget (each step's timeout; the run stops starting steps once --budget is spent):\n"
+          f"{budget_table(steps, budget)}")  # fmt: skip
+    if total > budget:
+        print(f"the timeouts add up to {total:g} s, more than the budget")
+        failed += 1
     return 1 if failed else 0
 
 
@@ -459,7 +538,7 @@ def _figures(step: Step, record: dict, ctx: Context) -> dict[str, Any]:
     """What a finished step measured, read from its output or its JSON (empty when there is none)."""
     output = record.get("output", "")
     try:
-        if step.kind == "python":
+        if step.kind in ("python", "wire"):
             return _last_json(output) or {}
         if step.kind == "pytest":
             return _pytest_figures(output)

@@ -5,11 +5,13 @@
 #   bench/gpu_check.sh --dry-run      # any machine, no GPU: checks that every step can run; CI runs it
 #   bench/gpu_check.sh --fetch-wheels # here, with network: put DeepSpeed and its missing deps in .whl/
 #
-# Steps (bench/gpu_check.py says more): wheels, env, build (C++ and CUDA for the visible GPUs' archs,
-# cached by content in --build-dir), backends, test-cuda, test-reducer (the reducer's stream hand-off
-# over NCCL, 1 rank; 2 with 2 GPUs), bench (flatgrad bench --device cuda), zero-step (ZeRO-2/3 stock
-# against flatgrad on every GPU: losses, peak memory), test-kernels, test-triton. Each has its
-# own timeout inside one overall budget; a failure is recorded and the next step runs. Results go to
+# Steps, most informative first (bench/gpu_check.py says more; its BUDGET table gives each step's
+# timeout, 480 s in all): wheels, env, build (C++ and CUDA for the visible GPUs' archs, cached by
+# content in --build-dir), backends, test-kernels (cuda and triton against the reference), test-cuda,
+# wire (bench/gpu_wire_check.py: every wire mode on cuda and triton, bitwise against the reference),
+# test-reducer (the reducer's stream hand-off over NCCL, 1 rank; 2 with 2 GPUs), zero-step (ZeRO-2/3
+# stock against flatgrad on every GPU: losses, peak memory), bench (flatgrad bench --device cuda),
+# test-triton. A failure is recorded and the next step runs; the summary is rewritten after each step. Results go to
 # --out (default $OUT, else ./gpu-check-out): summary.txt, summary.json, gpu_check.log, bench.json,
 # zero_step.json. Exit status 0 only when every step passed.
 #
@@ -26,6 +28,7 @@
 #          typing-inspection==0.4.5 typing-extensions==4.16.0
 #        DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8   # sdist only on PyPI
 #   2. one call: run(command="bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#      (--dry-run, on any machine, prints the budget table: each step's timeout and their sum)
 #      The `wheels` step installs .whl/*.whl with `pip install --no-index --no-deps --target` into
 #      BUILD_DIR/site and puts it first on PYTHONPATH for the later steps. $OUT's five files come back;
 #      the summary is also the last thing printed. A warm machine keeps --build-dir (/tmp), so a

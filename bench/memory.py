@@ -52,7 +52,7 @@ _MODES = ("stock", "flatgrad")
 
 def _config(
     stage: int, dtype: str, world_size: int, bucket: int, gas: int, flatgrad: bool, comm_buffers: int | None,
-    reduction: dict | None = None,
+    reduction: dict | None = None, clip: float = 0.0,
 ) -> dict:  # fmt: skip
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket}
     if stage in (1, 2):
@@ -65,6 +65,7 @@ def _config(
         "gradient_accumulation_steps": gas,
         "train_batch_size": 8 * gas * world_size,
         "steps_per_print": 10**9,
+        "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": zero,
     }
@@ -100,7 +101,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
         n_params = sum(p.numel() for p in model.parameters())
         cfg = _config(
             job["stage"], job["dtype"], world_size, job["bucket"], job["gas"], job["mode"] == "flatgrad",
-            job["comm_buffers"], job.get("reduction"),
+            job["comm_buffers"], job.get("reduction"), job.get("clip", 0.0),
         )
         engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
         census.mark("built")
@@ -150,7 +151,7 @@ def _run(args: argparse.Namespace) -> list[dict]:
                     job = dict(
                         stage=stage, dtype=dtype, mode=mode, device=args.device, width=args.width,
                         layers=args.layers, bucket=bucket, steps=args.steps, gas=args.gas,
-                        comm_buffers=args.comm_buffers,
+                        comm_buffers=args.comm_buffers, clip=args.clip,
                         reduction={"reduction": args.reduction, "error_feedback": args.error_feedback},
                     )  # fmt: skip
                     results = run_ranks(_rank, world_size, job, timeout=600)
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-fraction", type=float, default=0.25, help="reduce_bucket_size as a fraction of P")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps")
     parser.add_argument("--gas", type=int, default=2, help="gradient accumulation steps")
+    parser.add_argument("--clip", type=float, default=0.0, help="'gradient_clipping' (ZeRO-1/2 then read stock's norm)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
         "--comm-buffers", type=int, default=None, help="flatgrad's 'comm_buffers' (ZeRO-1/2; default: as many as stock's IPG buffers)"

@@ -98,6 +98,8 @@ void pack_quantize_table_cpu(const at::Tensor& table, const at::Tensor& runs, in
               op, ": runs must be a contiguous int64 CPU tensor of shape [R, ", kWidth, "]");
   check_cpu(wire_buf, "wire");
   TORCH_CHECK(wire_buf.scalar_type() == at::kByte, op, ": wire must be uint8");
+  TORCH_CHECK(wire::scales_aligned(wire_buf.const_data_ptr()), op, ": wire must start at a 4-byte aligned address ",
+              "(its fp32 scales are written in place), got ", wire_buf.const_data_ptr());
   TORCH_CHECK(block >= 1 && block <= 4096, op, ": block must be in [1, 4096], got ", block);
   TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, op, ": kind must be 0 (int8) or 1 (fp8), got ", kind);
 

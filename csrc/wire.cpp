@@ -266,6 +266,8 @@ void wire_quantize_cpu(const at::Tensor& packed, int64_t world_size, int64_t blo
   check_common(packed, "packed");
   check_common(wire_buf, "wire");
   TORCH_CHECK(wire_buf.scalar_type() == at::kByte, "flatgrad::wire_quantize: wire must be uint8");
+  TORCH_CHECK(wire::scales_aligned(wire_buf.const_data_ptr()), "flatgrad::wire_quantize: wire must start at a 4-byte ",
+              "aligned address (its fp32 scales are written in place), got ", wire_buf.const_data_ptr());
   TORCH_CHECK(block >= 1 && block <= 4096 && world_size >= 1 && packed.numel() % world_size == 0,
               "flatgrad::wire_quantize: bad block or world_size");
   TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, "flatgrad::wire_quantize: kind must be 0 (int8) or 1 (fp8)");
@@ -319,6 +321,8 @@ at::Tensor wire_dequantize_sum_cpu(const at::Tensor& wire_buf, int64_t world_siz
   check_common(wire_buf, "wire");
   check_common(out, "out");
   TORCH_CHECK(wire_buf.scalar_type() == at::kByte, "flatgrad::wire_dequantize_sum: wire must be uint8");
+  TORCH_CHECK(wire::scales_aligned(wire_buf.const_data_ptr()), "flatgrad::wire_dequantize_sum: wire must start at a ",
+              "4-byte aligned address (its fp32 scales are read in place), got ", wire_buf.const_data_ptr());
   TORCH_CHECK(block >= 1 && block <= 4096 && world_size >= 1, "flatgrad::wire_dequantize_sum: bad block or world_size");
   TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, "flatgrad::wire_dequantize_sum: kind must be 0 or 1");
   const int64_t s = out.numel();

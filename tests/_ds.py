@@ -350,4 +350,7 @@ class PartitionReads(torch.overrides.TorchFunctionMode):
 
 
 # The ops of a norm or an overflow check: the step must run none of them on the partitions.
-REDUCTIONS = ("norm", "vector_norm", "linalg_vector_norm", "isinf", "isnan", "isfinite", "sum", "abs", "max", "amax")
+REDUCTIONS = (
+    "norm", "vector_norm", "linalg_vector_norm", "_foreach_norm",
+    "isinf", "isnan", "isfinite", "sum", "abs", "max", "amax",
+)  # fmt: skip

@@ -5,7 +5,9 @@ in ``tests/test_kernels.py``; this file checks what only a GPU shows:
 
 * the kernels run on the caller's current stream, and per-call tensor tables
   (pinned host memory, async copies) survive many calls queued behind a busy
-  stream;
+  stream; a plan's device table is ordered across streams (every stream test
+  warms what would synchronize the host, and checks that its sleep outlasted
+  the enqueueing, so a kernel on the wrong stream fails it);
 * the device guard: tensors on a device other than the current one;
 * the user-facing checks of the compiled ops;
 * offsets past 2^31 elements (int64 index math end to end);
@@ -21,7 +23,9 @@ import flatgrad
 from flatgrad import Layout
 
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+    pytest.skip(
+        f"needs a CUDA device; torch {torch.__version__} (CUDA {torch.version.cuda}) sees none", allow_module_level=True
+    )
 _STATUS = flatgrad.available_backends()["cuda"]
 if not _STATUS.available:
     pytest.skip(f"cuda backend unavailable: {_STATUS.reason}", allow_module_level=True)
@@ -49,12 +53,25 @@ def _tensors(numels, dtypes, seed: int, device=DEVICE) -> list[torch.Tensor]:
     return [torch.randn(n, generator=gen, device=device).to(dtype) for n, dtype in zip(numels, dtypes)]
 
 
+def _assert_still_busy(stream: torch.cuda.Stream) -> None:
+    """The sleep on ``stream`` outlasted the host's enqueueing: nothing above synchronized the host,
+    so the kernels were queued behind it and the test can fail for the reason it exists."""
+    assert not stream.query(), "the stream finished before the host queued everything; raise _SLEEP_CYCLES"
+
+
 def test_pack_and_unpack_run_on_the_current_stream() -> None:
     """Inputs written on a side stream behind a long kernel are read only after that write."""
     layout = Layout.flat([1000, 4099, 8192 * 3 + 5], world_size=4)
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     tensors = _tensors(layout.numels, dtypes, seed=1)
     shard = torch.randn(layout.shard_numel, device=DEVICE)
+    outs = [torch.full((p.length,), 7.0, device=DEVICE) for p in layout.pieces(1)]
+    # Warm the cached plans with these very tensors: building a plan uploads its run table with a
+    # pageable copy, which synchronizes the host, and would wait out the sleep below.
+    flatgrad.pack(tensors, layout, dtype=torch.bfloat16, scale=0.5, backend="cuda")
+    flatgrad.unpack(shard, layout, 1, outs, accumulate=True, return_stats=True, backend="cuda")
+    for o in outs:
+        o.fill_(7.0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -63,8 +80,8 @@ def test_pack_and_unpack_run_on_the_current_stream() -> None:
             t.mul_(2)  # pending until the sleep ends; a kernel on another stream would read the old values
         shard.mul_(2)
         packed = flatgrad.pack(tensors, layout, dtype=torch.bfloat16, scale=0.5, backend="cuda")
-        outs = [torch.full((p.length,), 7.0, device=DEVICE) for p in layout.pieces(1)]
         stats = flatgrad.unpack(shard, layout, 1, outs, accumulate=True, return_stats=True, backend="cuda")
+    _assert_still_busy(side)
     torch.cuda.current_stream().wait_stream(side)
     expected = flatgrad.pack(tensors, layout, dtype=torch.bfloat16, scale=0.5, backend="torch")
     _assert_bits_equal(packed, expected)
@@ -77,7 +94,12 @@ def test_pack_and_unpack_run_on_the_current_stream() -> None:
 
 
 def test_per_call_tables_survive_queued_calls() -> None:
-    """Many multi-tensor calls queued behind a busy stream each keep their own tensor table."""
+    """Many multi-tensor op calls queued behind a busy stream each keep their own pinned tensor table.
+
+    The ops themselves (``torch.ops.flatgrad.pack`` / ``unpack``), not plans: each call writes the
+    tensors' addresses into pinned host memory and copies it asynchronously, so a table reused
+    before its copy ran would give a later call's addresses to an earlier kernel.
+    """
     layout = Layout.chunked([3, 1000, 4097, 12345], world_size=3)
     calls = 32
     sets = [
@@ -85,12 +107,18 @@ def test_per_call_tables_survive_queued_calls() -> None:
         for s in range(calls)
     ]
     shards = [torch.randn(layout.shard_numel, device=DEVICE, dtype=torch.bfloat16) for _ in range(calls)]
+    packed = [torch.full((layout.numel,), float("nan"), device=DEVICE) for _ in range(calls)]
+    outs = [[torch.zeros(p.length, device=DEVICE) for p in layout.pieces(2)] for _ in range(calls)]
+    pack_runs = layout.pack_runs(8192).to(DEVICE)
+    unpack_runs = layout.unpack_runs(2, 8192).to(DEVICE)
+    torch.ops.flatgrad.pack(sets[0], pack_runs, packed[0], 1.0)  # warm the pinned host allocator
     torch.cuda.synchronize()
     torch.cuda._sleep(_SLEEP_CYCLES)  # every call below is enqueued while this runs
-    packed = [flatgrad.pack(ts, layout, dtype=torch.float32, backend="cuda") for ts in sets]
-    outs = [[torch.zeros(p.length, device=DEVICE) for p in layout.pieces(2)] for _ in range(calls)]
+    for ts, out in zip(sets, packed):
+        torch.ops.flatgrad.pack(ts, pack_runs, out, 1.0)
     for shard, out in zip(shards, outs):
-        flatgrad.unpack(shard, layout, 2, out, scale=1 / 3, backend="cuda")
+        torch.ops.flatgrad.unpack(shard, unpack_runs, out, 1 / 3, False, False)
+    _assert_still_busy(torch.cuda.current_stream())
     torch.cuda.synchronize()
     for ts, got in zip(sets, packed):
         _assert_bits_equal(got, flatgrad.pack(ts, layout, dtype=torch.float32, backend="torch"))
@@ -99,6 +127,36 @@ def test_per_call_tables_survive_queued_calls() -> None:
         flatgrad.unpack(shard, layout, 2, ref, scale=1 / 3, backend="torch")
         for a, b in zip(out, ref):
             _assert_bits_equal(a, b)
+
+
+def test_a_plan_on_another_stream_waits_for_its_table_upload() -> None:
+    """[Note: table streams]: stream A uploads new addresses behind a sleep; a call on stream B with the
+    same tensors uploads nothing, and must still wait for A's copy, or it packs the old tensors."""
+    layout = Layout.chunked([1000, 4097, 12345], world_size=2)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32]
+    old = _tensors(layout.numels, dtypes, seed=11)
+    new = _tensors(layout.numels, dtypes, seed=12)
+    plan = flatgrad.PackPlan(layout, old, dtype=torch.float32, backend="cuda")
+    out_a = torch.empty(layout.numel, device=DEVICE)
+    out_b = torch.full((layout.numel,), float("nan"), device=DEVICE)
+    plan(old, out_a)
+    plan(new, out_a)  # warm the pinned host allocator for the upload below
+    plan(old, out_a)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    a.wait_stream(torch.cuda.current_stream())
+    b.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        plan(new, out_a)  # new addresses: an upload queued on a, behind the sleep
+    uploads = plan.uploads
+    with torch.cuda.stream(b):
+        plan(new, out_b)  # unchanged since the last call: no upload
+    assert plan.uploads == uploads
+    _assert_still_busy(a)
+    torch.cuda.synchronize()
+    expected = flatgrad.pack(new, layout, dtype=torch.float32, backend="torch")
+    _assert_bits_equal(out_a, expected)
+    _assert_bits_equal(out_b, expected)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

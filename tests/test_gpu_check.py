@@ -8,6 +8,7 @@ step followed by the next one, the summary) on real subprocesses.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -56,9 +57,11 @@ def tree(tmp_path: pathlib.Path) -> pathlib.Path:
 def test_dry_run_passes_and_prints_every_step() -> None:
     result = _dry_run()
     assert result.returncode == 0, result.stdout + result.stderr
-    for name in ("env", "build", "backends", "test-cuda", "test-kernels", "test-triton", "test-reducer", "bench",
-                 "zero-step"):  # fmt: skip
+    for name in ("env", "build", "backends", "test-kernels", "test-cuda", "wire", "test-reducer", "zero-step",
+                 "bench", "test-triton"):  # fmt: skip
         assert f"[ok] {name} " in result.stdout, result.stdout
+    assert "bench/gpu_wire_check.py --device cuda --backends cuda,triton" in result.stdout
+    assert "budget (each step's timeout" in result.stdout and "total" in result.stdout
     assert "flatgrad bench --device cuda" in result.stdout
     assert "tests/test_reducer_cuda.py" in result.stdout
 
@@ -82,7 +85,7 @@ def test_dry_run_fails_naming_each_broken_step(tree: pathlib.Path) -> None:
     assert "[FAIL] test-cuda" in out and "tests/test_cuda.py does not exist" in out
     assert "[FAIL] bench" in out and "unrecognized arguments: --device cuda" in out
     assert "[FAIL] test-reducer" in out and "tests/test_reducer_cuda.py does not compile" in out
-    assert "[FAIL] test-kernels" in out and "pytest --collect-only tests/test_kernels.py -k not cpu failed" in out
+    assert "[FAIL] test-kernels" in out and "pytest --collect-only tests/test_kernels.py -k not cpu collects no test" in out
 
 
 def test_unknown_step_names_are_refused() -> None:
@@ -189,3 +192,50 @@ def test_sigterm_stops_the_running_step_and_still_writes_the_summary(tmp_path: p
     assert steps["env"]["status"] == "interrupted"
     assert steps["backends"]["status"] == "not run" and "interrupted" in steps["backends"]["reason"]
     assert "--- env interrupted" in (out / "summary.txt").read_text()
+
+
+def test_budget_table_sums_every_default_timeout_within_480_s(tmp_path: pathlib.Path) -> None:
+    """Every step's default timeout comes from BUDGET, in order, and together they fit the 8-minute run."""
+    ctx = gpu_check.Context(root=str(ROOT), out=str(tmp_path), build_dir=str(tmp_path / "build"))
+    steps = gpu_check.plan(ctx)
+    assert [s.name for s in steps] == list(gpu_check.BUDGET)
+    assert {s.name: s.timeout_s for s in steps} == gpu_check.BUDGET
+    assert sum(s.timeout_s for s in steps) <= 480 == gpu_check.BUDGET_S
+    order = [s.name for s in steps]  # by value: build, kernel correctness, wire, reducer, ZeRO, throughput
+    assert order.index("build") < order.index("test-kernels") < order.index("wire") < order.index("test-reducer")
+    assert order.index("test-reducer") < order.index("zero-step") < order.index("bench")
+    quick = gpu_check.plan(dataclasses.replace(ctx, quick=True))
+    assert sum(s.timeout_s for s in quick) <= 240
+    table = gpu_check.budget_table(steps)
+    assert "wire" in table and f"{sum(gpu_check.BUDGET.values()):6.0f} s of 480 s" in table
+
+
+@pytest.mark.timeout(200)
+def test_dry_run_fails_a_test_selection_that_collects_nothing(tmp_path: pathlib.Path) -> None:
+    """A selection collecting no test fails the dry run, also in a module that skips here for want of a GPU
+    (there its -k is matched against the test names in the source)."""
+    ctx = gpu_check.Context(root=str(ROOT), out=str(tmp_path), build_dir=str(tmp_path / "build"))
+    selections = {
+        "typo": ("tests/test_kernels.py", "-k", "no_such_test_anywhere"),
+        "gpu-typo": ("tests/test_cuda.py", "-k", "no_such_test_anywhere"),
+        "gpu-ok": ("tests/test_cuda.py", "-k", "current_stream"),
+    }
+    found = {}
+    for name, selection in selections.items():
+        step = gpu_check._pytest(ctx, name, 10, 10, selection)
+        found[name] = gpu_check.check_step(step, ctx)
+    assert found["typo"] and "collects no test" in found["typo"][0], found
+    assert found["gpu-typo"] and "matches no test" in found["gpu-typo"][0], found
+    assert found["gpu-ok"] == [], found
+
+
+@pytest.mark.timeout(300)
+def test_wire_check_script_runs_on_cpu() -> None:
+    """bench/gpu_wire_check.py, the wire step, on the CPU backend: every mode agrees with the reference."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_wire_check.py"), "--device", "cpu", "--backends", "cpu", "--quick"],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["ok"] and figures["backends"]["cpu"]["cases"] >= 40, figures

@@ -191,3 +191,107 @@ def test_unpack_plan_reuses_outputs_and_checks_new_ones(name: str) -> None:
     want = [torch.zeros(p.length) for p in layout.pieces(rank)]
     reference.unpack(shard, layout, rank, want, True, 1.0, False, False)
     assert all(_bits_equal(a, b) for a, b in zip(fresh, want))
+
+
+@pytest.mark.parametrize("spelling", ["cpu", "cpu:0", torch.device("cpu"), torch.device("cpu", 0)])
+def test_plans_take_any_spelling_of_the_tensors_device(spelling) -> None:
+    """A plan compares every tensor's device with its own: ``cpu:0`` is where a CPU tensor
+    (device ``cpu``, no index) lives, as ``cuda`` is where a ``cuda:0`` tensor does."""
+    from flatgrad.kernels import wire
+
+    layout = Layout.chunked([5, 70], 2)
+    tensors = _tensors(layout, [torch.float32, torch.float32], seed=0)
+    plan = PackPlan(layout, tensors, device=spelling, backend="torch")
+    assert plan.device == torch.device("cpu")
+    assert _bits_equal(plan(tensors), _expected(tensors, layout, torch.float32, 1.0))
+    quantize = wire.PackQuantizePlan(layout, tensors, block=32, kind="int8", device=spelling, backend="torch")
+    quantize(tensors, torch.empty(quantize.wire_bytes, dtype=torch.uint8))
+
+
+def test_cuda_without_an_index_is_the_current_device(monkeypatch) -> None:
+    from flatgrad.kernels._plan import normalize_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert normalize_device("cuda") == torch.device("cuda", 3)
+    assert normalize_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert normalize_device("cuda:1") == torch.device("cuda", 1)
+    assert normalize_device("cpu:0") == torch.device("cpu") == normalize_device("cpu")
+
+
+class _FakeCuda:
+    """Streams and events that log what a device table orders, for ``_TensorTable`` on CPU."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, int]] = []
+        self.current = "construction"
+        self.capturing = False
+
+    def install(self, monkeypatch) -> None:
+        fake = self
+
+        class Event:
+            count = 0
+
+            def __init__(self) -> None:
+                Event.count += 1
+                self.id, self.stream = Event.count, None
+
+            def record(self, stream) -> None:
+                self.stream = stream
+                fake.log.append(("record", stream.name, self.id))
+
+        class Stream:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def __eq__(self, other) -> bool:
+                return isinstance(other, Stream) and other.name == self.name
+
+            def __hash__(self) -> int:
+                return hash(self.name)
+
+            def wait_event(self, event) -> None:
+                fake.log.append(("wait", self.name, event.id))
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(fake.current))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: fake.capturing)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+
+    def take(self) -> list[tuple[str, str, int]]:
+        log, self.log = self.log, []
+        return log
+
+
+def test_a_device_table_is_ordered_across_streams_on_every_use(monkeypatch) -> None:
+    """[Note: table streams]: a use on another stream waits for the last write, an upload waits
+    for other streams' reads, the first upload waits for the construction stream."""
+    from flatgrad.kernels._plan import _TensorTable
+
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    table = _TensorTable([(4, 0)], torch.device("cpu"), "cuda")  # a separate "device" copy, on CPU
+    (_, _, zeros), = cuda.take()
+    cuda.current = "a"
+    table.upload()
+    assert cuda.take() == [("wait", "a", zeros), ("record", "a", zeros)]  # the written event, re-recorded
+    table.acquire()
+    table.release()
+    (_, _, read_a), = cuda.take()  # same stream: a record, no wait
+    cuda.current = "b"  # unchanged pointers: no upload, but b must wait for a's copy
+    table.acquire()
+    assert cuda.take() == [("wait", "b", zeros)]
+    table.release()
+    (_, _, read_b), = cuda.take()
+    table.acquire()  # already ordered after that write: no second wait
+    assert cuda.take() == []
+    table.release()
+    cuda.take()
+    cuda.current = "a"  # a new upload on a waits for b's kernel
+    table.upload()
+    assert ("wait", "a", read_b) in cuda.take()
+    cuda.capturing = True  # during capture nothing is recorded or waited on
+    cuda.current = "c"
+    table.acquire()
+    table.release()
+    assert cuda.take() == []

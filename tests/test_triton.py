@@ -434,11 +434,36 @@ def test_compile_check_script_compiles_kernels_for_sm90():
         str(ROOT / ".ci" / "triton_compile.py"),
         "--match", "_pack_kernel[mixed->bf16]",
         "--match", "_unpack_kernel[bf16->fp32,accumulate,stats]",
+        # wire kernels as launched: i32 sizes with divisibility hints, and 1s turned into constants
+        "--match", "_sum_kernel[bf16->fp32|i32]",
+        "--match", "_dequantize_sum_kernel[fp8->bf16,stats|ones]",
     ]  # fmt: skip
     result = _run(args, _env(TRITON_INTERPRET="1"), timeout=540)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok   self-check" in result.stdout
-    assert "all 2 kernels compiled for sm_90" in result.stdout, result.stdout
+    assert "all 4 kernels compiled for sm_90" in result.stdout, result.stdout
+
+
+def test_compile_check_specialises_wire_kernels_as_the_launcher_does():
+    """The launch variants carry i32 sizes, tt.divisibility=16 on multiples of 16 and pointers, 1 as a constant."""
+    code = """
+import runpy, sys
+check = runpy.run_path(".ci/triton_compile.py", run_name="triton_compile")
+from flatgrad.kernels import wire_triton
+specs = {s.name: s for s in wire_triton.kernel_specs()}
+signature, constexprs, attrs = check["launched"](specs["_dequantize_sum_kernel[int8->fp32|i32]"])
+assert signature["shard_numel"] == "i32" and signature["seg"] == "i32" and signature["world_size"] == "i32", signature
+names = list(signature)
+assert (names.index("seg"),) in attrs and (names.index("values_ptr"),) in attrs, attrs
+assert (names.index("shard_numel"),) not in attrs, attrs  # 1000 is no multiple of 16
+signature, constexprs, attrs = check["launched"](specs["_sum_kernel[bf16->bf16|ones]"])
+assert signature["world_size"] == "constexpr" and constexprs["world_size"] == 1, (signature, constexprs)
+signature, constexprs, attrs = check["launched"](specs["_sum_kernel[bf16->bf16]"])
+assert signature["shard_numel"] == "i64" and not attrs, (signature, attrs)
+print("ok")
+"""
+    result = _run(["-c", code], _env(), timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
 
 
 @pytest.mark.timeout(120)

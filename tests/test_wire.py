@@ -417,3 +417,184 @@ def test_pack_quantize_bad_input_names_the_argument(call, message):
     plan = wire.PackQuantizePlan(layout, grads, block=32, kind="int8", backend="cpu")
     with pytest.raises((ValueError, TypeError), match=message):
         call(plan, grads, torch.zeros(plan.wire_bytes, dtype=torch.uint8))
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """fp32 bits, every NaN as one (a NaN's sign and payload are not part of the contract; the codes are)."""
+    return None if t is None else torch.where(torch.isnan(t), float("nan"), t).view(torch.int32)
+
+
+def _nonfinite_packed(world_size: int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """Ones, with a NaN in block 0, +inf in block 1, -inf and NaN in block 2, +inf and -inf in block 3 (block 32)."""
+    x = torch.linspace(-3.0, 5.0, world_size * s)
+    for at, value in ((5, "nan"), (40, "inf"), (70, "-inf"), (71, "nan"), (100, "inf"), (101, "-inf")):
+        x[at] = float(value)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("kind", wire.KINDS)
+@pytest.mark.parametrize("feedback", [False, True])
+def test_nonfinite_input_matches_reference(backend, kind, feedback):
+    """NaN and inf in a block give the reference's codes (NaN: int8 0, fp8 0x7F), scales and residual, bitwise."""
+    world_size, s, block = 2, 96, 32
+    for dtype in (torch.float32, torch.bfloat16):
+        packed = _nonfinite_packed(world_size, s, dtype)
+        residual = torch.full((world_size * s,), 1e-3) if feedback else None
+        results = []
+        for name in ("torch", backend):
+            w = _wire_buffer(world_size, s, block)
+            r = None if residual is None else residual.clone()
+            wire.quantize(packed, world_size, block, kind, w, r, backend=name)
+            out = torch.full((s,), 7.0)
+            wire.dequantize_sum(w, world_size, block, kind, out, backend=name)
+            results.append((*_meaningful(w, world_size, s, block, kind), _bits(r), _bits(out)))
+        (v0, s0, r0, o0), (v1, s1, r1, o1) = results
+        assert torch.equal(_bits(s0), _bits(s1)), f"{dtype}: scales differ: {s0.tolist()} vs {s1.tolist()}"
+        assert torch.equal(v0, v1), f"{dtype}: values differ at {(v0 != v1).nonzero()[:5].tolist()}"
+        assert torch.equal(o0, o1), f"{dtype}: dequantized values differ"
+        if feedback:
+            assert torch.equal(r0, r1), f"{dtype}: residuals differ"
+        # The same through the fused pack-quantize.
+        layout = Layout.flat([world_size * s], world_size)
+        v2, s2, r2 = _pack_quantized(backend, layout, [packed], block, kind, 1.0, residual, plan=True)
+        v3, s3, r3 = _pack_quantized("torch", layout, [packed], block, kind, 1.0, residual)
+        assert torch.equal(v2, v3) and torch.equal(_bits(s2), _bits(s3)), f"{dtype}: pack-quantize differs"
+        if feedback:
+            assert torch.equal(_bits(r2), _bits(r3)), f"{dtype}: pack-quantize residuals differ"
+
+
+@pytest.mark.parametrize("kind", wire.KINDS)
+def test_reference_nonfinite_blocks_dequantize_to_nan(kind):
+    """A block holding NaN or inf decodes to NaN in every element; NaN's code is int8 0 / fp8 0x7F; other blocks stay finite."""
+    world_size, s, block = 1, 160, 32
+    packed = _nonfinite_packed(world_size, s, torch.float32)
+    w = _wire_buffer(world_size, s, block)
+    wire.quantize(packed, world_size, block, kind, w, backend="torch")
+    values, scales = _meaningful(w, world_size, s, block, kind)
+    assert torch.isnan(scales[0, 0]) and torch.isinf(scales[0, 1]) and torch.isnan(scales[0, 2])
+    assert torch.isinf(scales[0, 3]) and torch.isfinite(scales[0, 4])
+    nan_code = 0 if kind == "int8" else 0x7F
+    for at in (5, 40, 70, 71, 100, 101):
+        assert values[0, at].item() == nan_code, (at, values[0, at].item())
+    out = torch.zeros(s)
+    wire.dequantize_sum(w, world_size, block, kind, out, backend="torch")
+    assert torch.isnan(out[: 4 * block]).all(), out[: 4 * block]
+    assert torch.isfinite(out[4 * block :]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# 64-bit offsets in the Triton wire kernels, through the interpreter, without a large allocation
+
+
+def _lazy(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over an anonymous mapping of ``nbytes``: untouched pages read as zeros and cost no memory."""
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=dtype)
+
+
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1): it runs one program over a large logical size",
+)
+
+# Sizes that fit in i32 (so the launcher passes them as i32) while W * size does not. The source
+# pointer is 2^31 elements into its mapping: an offset that wraps to a negative i32 still lands
+# inside it (on zeros), so the old arithmetic gives a wrong sum instead of a fault.
+_WRAP = 2**31
+
+
+@needs_interpreter
+def test_triton_sum_offsets_past_2_31_elements():
+    from flatgrad.kernels import wire_triton
+
+    world_size, s, block = 3, 2**30 + 1024, 1024  # source 2 starts at 2^31 + 2048 elements
+    mapping = _lazy((_WRAP + world_size * s) * 2, torch.bfloat16)
+    recv = mapping[_WRAP:]
+    for w in range(world_size):
+        recv[w * s : w * s + block] = float(w + 1)
+    out = torch.full((block,), float("nan"))  # program 0 only: the first block of the shard
+    dummy = torch.zeros(2, dtype=torch.int32)
+    wire_triton._sum_kernel[(1,)](
+        recv, out, s, world_size, 1.0, dummy.view(torch.float32), dummy, ACCUMULATE=False, STATS=False, BLOCK=block,
+    )  # fmt: skip
+    assert out.tolist() == [6.0] * block, f"got {out[:4].tolist()}: a source offset past 2^31 wrapped"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", wire.KINDS)
+def test_triton_dequantize_sum_offsets_past_2_gib(kind):
+    from flatgrad.kernels import wire_triton
+
+    world_size, s, block = 3, 2**30, 4096
+    seg = wire.segment_bytes(s, block)  # fits in i32; segment 2 starts past 2 GiB
+    mapping = _lazy(_WRAP + world_size * seg, torch.uint8)
+    wire_buf = mapping[_WRAP:]
+    one = 1 if kind == "int8" else 0x38  # fp8 e4m3fn 1.0
+    for w in range(world_size):
+        wire_buf[w * seg : w * seg + block] = one
+        wire_buf[w * seg + wire_reference.round16(s) :][:4].view(torch.float32)[0] = float(w + 1)
+    out = torch.full((block,), float("nan"))
+    dummy = torch.zeros(2, dtype=torch.int32)
+    wire_triton._dequantize_sum_kernel[(1,)](
+        wire_buf.view(torch.int8), wire_buf.view(torch.float32), out, s, seg, wire_reference.round16(s), world_size,
+        1.0, dummy.view(torch.float32), dummy, KIND=wire_triton._KINDS[kind], ACCUMULATE=False, STATS=False,
+        BLOCK=block,
+    )  # fmt: skip
+    assert out.tolist() == [6.0] * block, f"got {out[:4].tolist()}: a segment offset past 2 GiB wrapped"
+
+
+@needs_interpreter
+def test_triton_wire_launches_enter_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: each of the four wire launches must enter the tensors' one."""
+    import contextlib
+
+    from flatgrad.kernels import wire_triton
+
+    entered = []
+
+    def on_device(device):
+        entered.append(device)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(wire_triton, "_on_device", on_device)
+    kernels = wire_triton.Backend()
+    world_size, s, block = 2, 64, 32
+    packed = torch.randn(world_size * s)
+    w = _wire_buffer(world_size, s, block)
+    launches = {
+        "sum_sources": lambda: kernels.sum_sources(packed, world_size, torch.empty(s), 1.0, False),
+        "quantize": lambda: kernels.quantize(packed, world_size, block, "int8", w, None),
+        "pack_quantize": lambda: kernels.pack_quantize(
+            [packed], Layout.flat([world_size * s], world_size), 1.0, block, "int8", w, None
+        ),
+        "dequantize_sum": lambda: kernels.dequantize_sum(w, world_size, block, "int8", torch.empty(s), 1.0, False),
+    }
+    for name, launch in launches.items():
+        entered.clear()
+        launch()
+        assert entered == [torch.device("cpu")], f"{name} launched without entering the tensors' device"
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+def test_misaligned_wire_is_refused_by_name(backend):
+    """The fp32 scales sit at 16-byte multiples from the wire's start: a wire 1 byte off is refused, naming it."""
+    world_size, s, block = 2, 64, 32
+    packed = torch.randn(world_size * s)
+    misaligned = _wire_buffer(world_size, s, block + 4)[1:]  # still large enough
+    layout = Layout.flat([world_size * s], world_size)
+    calls = {
+        "quantize": lambda: wire.quantize(packed, world_size, block, "int8", misaligned, backend=backend),
+        "dequantize_sum": lambda: wire.dequantize_sum(misaligned, world_size, block, "fp8", torch.empty(s), backend=backend),
+        "pack_quantize": lambda: wire.pack_quantize([packed], layout, block, "int8", misaligned, backend=backend),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"wire must start at a 4-byte aligned address"):
+            call()
+    if backend == "cpu":  # the compiled ops check it too, for callers that skip the wrappers
+        ops = torch.ops.flatgrad
+        with pytest.raises(RuntimeError, match=r"wire_quantize: wire must start at a 4-byte aligned"):
+            ops.wire_quantize(packed, world_size, block, 0, misaligned, None)
+        with pytest.raises(RuntimeError, match=r"wire_dequantize_sum: wire must start at a 4-byte aligned"):
+            ops.wire_dequantize_sum(misaligned, world_size, block, 0, torch.empty(s), 1.0, False, False)

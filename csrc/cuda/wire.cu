@@ -112,19 +112,7 @@ __device__ __forceinline__ void quantize_block(Load x, int64_t n, float* __restr
     if (r != nullptr) v = __fadd_rn(v, r[k]);
     float dq = 0.0f;
     uint8_t code = 0;
-    if (scale != 0.0f) {
-      const float y = __fdiv_rn(v, scale);
-      if (kind == wire::kInt8) {
-        const float q = rintf(y);  // round half to even
-        const int8_t qi = q != q ? int8_t(0) : static_cast<int8_t>(fminf(127.0f, fmaxf(-127.0f, q)));
-        code = static_cast<uint8_t>(qi);
-        dq = static_cast<float>(qi);
-      } else {
-        const c10::Float8_e4m3fn q(fminf(448.0f, fmaxf(-448.0f, y)));
-        code = q.x;
-        dq = static_cast<float>(q);
-      }
-    }
+    if (scale != 0.0f) code = wire::quantize_code(__fdiv_rn(v, scale), kind, &dq);
     values[k] = code;
     if (r != nullptr) r[k] = __fsub_rn(v, __fmul_rn(dq, scale));
   }
@@ -264,6 +252,8 @@ at::Tensor wire_sum_cuda(const at::Tensor& recv, int64_t world_size, const at::T
                          bool accumulate, bool stats) {
   check_cuda(recv, "recv");
   check_cuda(out, "out");
+  TORCH_CHECK(recv.device() == out.device(), "flatgrad::wire_sum: recv is on ", recv.device(), ", out on ",
+              out.device(), "; both must be on one device");
   const int64_t s = out.numel();
   TORCH_CHECK(world_size >= 1 && recv.numel() == world_size * s, "flatgrad::wire_sum: recv must hold W * S elements");
   const c10::cuda::CUDAGuard guard(out.device());
@@ -295,6 +285,10 @@ void wire_quantize_cuda(const at::Tensor& packed, int64_t world_size, int64_t bl
   check_cuda(packed, "packed");
   check_cuda(wire_buf, "wire");
   TORCH_CHECK(wire_buf.scalar_type() == at::kByte, "flatgrad::wire_quantize: wire must be uint8");
+  TORCH_CHECK(wire_buf.device() == packed.device(), "flatgrad::wire_quantize: wire is on ", wire_buf.device(),
+              ", packed on ", packed.device(), "; both must be on one device");
+  TORCH_CHECK(wire::scales_aligned(wire_buf.const_data_ptr()), "flatgrad::wire_quantize: wire must start at a 4-byte ",
+              "aligned address (its fp32 scales are written in place), got ", wire_buf.const_data_ptr());
   TORCH_CHECK(block >= 1 && block <= 4096 && world_size >= 1 && packed.numel() % world_size == 0,
               "flatgrad::wire_quantize: bad block or world_size");
   TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, "flatgrad::wire_quantize: kind must be 0 (int8) or 1 (fp8)");
@@ -305,6 +299,8 @@ void wire_quantize_cuda(const at::Tensor& packed, int64_t world_size, int64_t bl
     check_cuda(*residual, "residual");
     TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == packed.numel(),
                 "flatgrad::wire_quantize: residual must be fp32 and as large as packed");
+    TORCH_CHECK(residual->device() == packed.device(), "flatgrad::wire_quantize: residual is on ", residual->device(),
+                ", packed on ", packed.device(), "; both must be on one device");
     res = residual->mutable_data_ptr<float>();
   }
   if (s == 0) return;
@@ -325,6 +321,8 @@ void pack_quantize_table_cuda(const at::Tensor& table, const at::Tensor& runs, i
   check_cuda(wire_buf, "wire");
   const at::Device device = wire_buf.device();
   TORCH_CHECK(wire_buf.scalar_type() == at::kByte, op, ": wire must be uint8");
+  TORCH_CHECK(wire::scales_aligned(wire_buf.const_data_ptr()), op, ": wire must start at a 4-byte aligned address ",
+              "(its fp32 scales are written in place), got ", wire_buf.const_data_ptr());
   TORCH_CHECK(table.device() == device && table.scalar_type() == at::kLong && table.dim() == 2 &&
                   table.size(1) == table_col::kWidth && table.is_contiguous(),
               op, ": table must be a contiguous int64 tensor of shape [T, ", table_col::kWidth, "] on ", device);
@@ -360,6 +358,10 @@ at::Tensor wire_dequantize_sum_cuda(const at::Tensor& wire_buf, int64_t world_si
   check_cuda(wire_buf, "wire");
   check_cuda(out, "out");
   TORCH_CHECK(wire_buf.scalar_type() == at::kByte, "flatgrad::wire_dequantize_sum: wire must be uint8");
+  TORCH_CHECK(wire_buf.device() == out.device(), "flatgrad::wire_dequantize_sum: wire is on ", wire_buf.device(),
+              ", out on ", out.device(), "; both must be on one device");
+  TORCH_CHECK(wire::scales_aligned(wire_buf.const_data_ptr()), "flatgrad::wire_dequantize_sum: wire must start at a ",
+              "4-byte aligned address (its fp32 scales are read in place), got ", wire_buf.const_data_ptr());
   TORCH_CHECK(block >= 1 && block <= 4096 && world_size >= 1, "flatgrad::wire_dequantize_sum: bad block or world_size");
   TORCH_CHECK(kind == wire::kInt8 || kind == wire::kFp8, "flatgrad::wire_dequantize_sum: kind must be 0 or 1");
   const int64_t s = out.numel();

@@ -77,36 +77,78 @@ def machine_line(info: dict) -> str:
     return "; ".join(parts)
 
 
+CALLS_PER_TIMING = 20  # CUDA: calls between one pair of events; a call's time is their elapsed time / this
+
+
+def _sleep_rate() -> float:
+    """``torch.cuda._sleep`` cycles per second on the current device, measured with events."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / max(start.elapsed_time(end) / 1e3, 1e-6)
+
+
+def _cover_cycles(runs: Sequence[Callable[[], None]], calls: int) -> int:
+    """Sleep cycles that outlast the host's enqueueing of ``calls`` calls of the slowest run, twice over."""
+    slowest = 0.0
+    for run in runs:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        slowest = max(slowest, time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return max(int(2 * slowest * _sleep_rate()), 100_000)
+
+
+def _time_cuda_batch(run: Callable[[], None], calls: int, cycles: int) -> tuple:
+    """Queue a calibrated sleep, then ``calls`` calls of ``run`` between two events; returns the events.
+
+    The sleep keeps the stream busy while the host enqueues, so the start event fires only
+    when the GPU reaches the first call and the calls then run back to back: the elapsed
+    time is the kernels' alone, without the host's Python overhead or launch gaps.
+    """
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        run()
+    end.record()
+    return start, end
+
+
 def time_round_robin(
     runs: Sequence[Callable[[], None]], warmup: int, repeats: int, cuda: bool, settle: int = 1
 ) -> list[list[float]]:
     """Seconds per call of every ``run``, taking turns, after ``warmup`` calls each.
 
     Each of the ``repeats`` rounds gives every run ``settle`` untimed calls and
-    then one timed call. Turns spread load from other processes over every run
-    alike; the settling calls give every timed call the same cache state (its
-    own data just touched), whatever ran before it. On CUDA each timed call
-    sits between two CUDA events; the host synchronizes before each timed call
-    and after the last one, never inside the timed region, so every call starts
-    on an idle stream and its time includes any launch overhead the GPU waits on.
+    then one timing. Turns spread load from other processes over every run
+    alike; the settling calls give every timing the same cache state (its own
+    data just touched), whatever ran before it. On the CPU a timing is one call.
+    On CUDA it is ``CALLS_PER_TIMING`` calls between two CUDA events, queued
+    behind a sleep calibrated to outlast the host's enqueueing of them (see
+    ``_time_cuda_batch``): the time per call is the GPU's, not the host's.
     """
     for run in runs:
         for _ in range(warmup):
             run()
     if cuda:
+        calls = CALLS_PER_TIMING
+        cycles = _cover_cycles(runs, calls)
         events: list[list[tuple]] = [[] for _ in runs]
         for _ in range(repeats):
             for run, pairs in zip(runs, events):
                 for _ in range(settle):
                     run()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()  # outside the timed region: the timed call starts on an idle stream
-                start.record()
-                run()
-                end.record()
-                pairs.append((start, end))
+                pairs.append(_time_cuda_batch(run, calls, cycles))
         torch.cuda.synchronize()
-        return [[start.elapsed_time(end) / 1e3 for start, end in pairs] for pairs in events]
+        return [[start.elapsed_time(end) / 1e3 / calls for start, end in pairs] for pairs in events]
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
         for run, spent in zip(runs, times):
@@ -130,8 +172,14 @@ def require_matplotlib():
     return plt
 
 
-def min_median(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """``(min, median)`` seconds of ``repeat`` calls of ``fn``, after one untimed warm-up call."""
+def min_median(fn: Callable[[], object], repeat: int, cuda: bool = False) -> tuple[float, float]:
+    """``(min, median)`` seconds of ``repeat`` calls of ``fn``, after one untimed warm-up call.
+
+    With ``cuda``, each of the ``repeat`` figures is a CUDA timing as in ``time_round_robin``.
+    """
+    if cuda:
+        (times,) = time_round_robin([fn], warmup=1, repeats=repeat, cuda=True, settle=0)
+        return min(times), statistics.median(times)
     fn()
     times = []
     for _ in range(repeat):

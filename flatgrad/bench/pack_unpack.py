@@ -74,9 +74,12 @@ flatgrad's run tables) and times the rows in turns, so that load from other
 processes on a shared machine falls on every row alike; one untimed call right
 before each timed one gives every timed call the same (warm) cache state,
 whichever row ran before it. CPU calls
-are timed with ``time.perf_counter``; CUDA calls with CUDA events, with host
-synchronization only between calls. The machine's 1-minute load average is
-recorded beside the figures.
+are timed with ``time.perf_counter``. On CUDA one timing is
+``_harness.CALLS_PER_TIMING`` calls between two CUDA events, queued behind a
+sleep calibrated to outlast the host's enqueueing, so the events measure the
+kernels back to back, not the host's Python overhead; a time is that span over
+the number of calls. The machine's 1-minute load average is recorded beside
+the figures.
 """
 
 from __future__ import annotations

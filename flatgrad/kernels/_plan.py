@@ -25,9 +25,28 @@ captured in a CUDA graph; one that would upload during capture raises.
 
 A plan keeps no reference to the tensors it is called with, only their
 addresses, which every call refreshes before the kernel reads them. A plan's
-CUDA calls are ordered on the current stream; when a call comes on another
-stream than the last upload did, that stream first waits for the earlier one,
-so a table is never rewritten under a kernel still reading it.
+CUDA calls run on the current stream, whichever it is; see [Note: table streams].
+
+[Note: table streams]
+A plan (and the cached plans behind the public ``pack`` and ``unpack``) can be
+called from any stream, so its device table is ordered with CUDA events, per
+stream, on every use and not only when an upload happens:
+
+* the table's last write (the construction's ``torch.zeros``, then each
+  upload) records ``written`` on its stream. A kernel on another stream first
+  waits for it, once per stream and write (``_ordered`` remembers which streams
+  already did): otherwise it could read a table still being copied, or all zeros
+  (an unpack through address 0 faults).
+* each kernel reading the table records its stream's ``reads`` event. An
+  upload first waits for every other stream's: a kernel queued there may still
+  read the rows the copy rewrites. The upload also waits for ``written`` (the
+  first one for the construction stream's zeros).
+
+Same-stream work is ordered by the stream itself, so a plan called from one
+stream costs one event record per call and no wait. During CUDA graph capture
+nothing is recorded or waited on (an event from outside the capture cannot be
+waited on inside it): a captured call uploads nothing, and the graph's replay
+is ordered by the stream it is replayed on.
 """
 
 from __future__ import annotations
@@ -42,7 +61,10 @@ from ..layout import Layout
 from . import _tables
 from ._backends import resolve_backend
 
-__all__ = ["PackPlan", "UnpackPlan", "DTYPES", "check_tensor", "check_scale", "check_pack_tensors", "overlaps"]
+__all__ = [
+    "PackPlan", "UnpackPlan", "DTYPES", "check_tensor", "check_scale", "check_pack_tensors", "normalize_device",
+    "overlaps",
+]  # fmt: skip
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -50,6 +72,21 @@ _NONE = -1  # dtype code of a missing tensor, and "any supported dtype" in a pla
 _COMPILED = ("cpu", "cuda")
 
 MaybeTensor = Optional[torch.Tensor]
+
+
+def normalize_device(device: torch.device | str) -> torch.device:
+    """``device`` as a tensor on it reports its device: ``cuda`` (no index) is the current CUDA device.
+
+    Plans compare every tensor's device with theirs, so ``"cuda"``, ``"cuda:0"`` and
+    ``torch.device("cuda", 0)`` must all become the device the tensors report
+    (``cuda:N``; a CPU tensor's device is ``cpu``, with no index, so ``cpu:0`` is ``cpu``).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_tensor(name: str, t: object, *, device: torch.device | None = None, numel: int | None = None) -> torch.Tensor:
@@ -105,7 +142,7 @@ def check_pack_tensors(
         if not present:
             raise ValueError(no_device)
         device = check_tensor(f"tensors[{present[0][0]}]", present[0][1]).device
-    device = torch.device(device)
+    device = normalize_device(device)
     for i, t in present:
         check_tensor(f"tensors[{i}]", t, device=device, numel=layout.numels[i])
     return device, present
@@ -162,8 +199,14 @@ class _TensorTable:
         self.on_device = torch.zeros(count, 2, dtype=torch.int64, device=device) if backend == "cuda" else self.host
         self.uploads = 0
         self._stale = True  # the device copy may differ from the host one (set after a failed refresh too)
-        self._stream = None
         self._refresh = _refresher()
+        self._streams = self.on_device is not self.host  # a device table: ordered across streams by events
+        if self._streams:  # see [Note: table streams]
+            stream = torch.cuda.current_stream(device)
+            self._written = torch.cuda.Event()
+            self._written.record(stream)  # the zeros above
+            self._ordered = {stream}  # the streams ordered after the last write
+            self._reads: dict = {}  # stream -> event after the last kernel there that read the table
 
     def refresh(self, tensors: Sequence[MaybeTensor], name: str, guard: torch.Tensor, guard_name: str,
                 allow_none: bool) -> bool:  # fmt: skip
@@ -199,12 +242,38 @@ class _TensorTable:
                     "upload; call the plan once with these tensors before capturing"
                 )
             stream = torch.cuda.current_stream(self.device)
-            if self._stream is not None and self._stream != stream:
-                stream.wait_stream(self._stream)  # a kernel queued there may still read the table
-            self._stream = stream
+            self._after_write(stream)
+            for other, read in self._reads.items():
+                if other != stream:
+                    stream.wait_event(read)  # a kernel queued there may still read the rows rewritten here
             self.on_device.copy_(self.host.pin_memory(), non_blocking=True)
+            self._written.record(stream)
+            self._ordered = {stream}
         self.uploads += 1
         self._stale = False
+
+    def _after_write(self, stream) -> None:
+        if stream not in self._ordered:
+            stream.wait_event(self._written)
+            self._ordered.add(stream)
+
+    def acquire(self) -> torch.Tensor:
+        """The table a kernel reads, once the current stream is ordered after its last write.
+
+        Pair every call with ``release()`` after the kernel is queued. See [Note: table streams].
+        """
+        if self._streams and not torch.cuda.is_current_stream_capturing():
+            self._after_write(torch.cuda.current_stream(self.device))
+        return self.on_device
+
+    def release(self) -> None:
+        """Record that a kernel on the current stream read the table (a later upload elsewhere waits for it)."""
+        if self._streams and not torch.cuda.is_current_stream_capturing():
+            stream = torch.cuda.current_stream(self.device)
+            read = self._reads.get(stream)
+            if read is None:
+                read = self._reads[stream] = torch.cuda.Event()
+            read.record(stream)
 
 
 def _resolve(backend: str | None, device: torch.device) -> tuple[object, str]:
@@ -304,7 +373,10 @@ class PackPlan(_Plan):
             if self._table.refresh(tensors, "tensors", out, "out", True):
                 self._table.upload()
             if self.backend in _COMPILED:
-                self._op(self._table.on_device, self._runs, out, scale)
+                try:
+                    self._op(self._table.acquire(), self._runs, out, scale)
+                finally:
+                    self._table.release()
             else:
                 self._impl.pack(tensors, self.layout, out, scale)
         return out
@@ -389,7 +461,11 @@ class UnpackPlan(_Plan):
                     raise
                 self._table.upload()
             if self.backend in _COMPILED:
-                result = self._op(shard, self._runs, self._table.on_device, self.dtype, scale, accumulate, return_stats)
+                try:
+                    table = self._table.acquire()
+                    result = self._op(shard, self._runs, table, self.dtype, scale, accumulate, return_stats)
+                finally:
+                    self._table.release()
                 return result if return_stats else None
             return self._impl.unpack(shard, self.layout, self.rank, list(outs), self.per_piece, scale, accumulate,
                                      return_stats)  # fmt: skip

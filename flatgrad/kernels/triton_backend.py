@@ -360,6 +360,10 @@ class KernelSpec(NamedTuple):
         signature: argument name -> Triton type (``"*bf16"``, ``"fp32"``, ``"constexpr"``).
         constexprs: the compile-time arguments.
         options: launch options (``num_warps``, ``enable_fp_fusion``).
+        launch: example values of the integer arguments of a launch, or None. With them the
+            compile check specialises the kernel as the launcher would for those values (i32 or
+            i64, divisibility by 16, 1 as a constant), and the signature's integer types are
+            only the declared (i64) form.
     """
 
     name: str
@@ -367,6 +371,7 @@ class KernelSpec(NamedTuple):
     signature: dict
     constexprs: dict
     options: dict
+    launch: dict | None = None
 
 
 def kernel_specs(device_type: str = "cuda") -> list[KernelSpec]:

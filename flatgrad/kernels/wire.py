@@ -223,6 +223,15 @@ def sum_sources(
     return _stats(result)
 
 
+def _check_wire_aligned(wire: torch.Tensor) -> None:
+    """The fp32 scales are accessed in place, 16-byte multiples from the wire's start (see [Note: wire format])."""
+    if wire.data_ptr() % 4:
+        raise ValueError(
+            f"wire must start at a 4-byte aligned address (its fp32 scales are accessed in place), got "
+            f"{wire.data_ptr():#x}; slice it at a multiple of 4 bytes"
+        )
+
+
 def quantize(
     packed: torch.Tensor, world_size: int, block: int, kind: str, wire: torch.Tensor,
     residual: torch.Tensor | None = None, backend: str | None = None,
@@ -234,6 +243,7 @@ def quantize(
     check_kind(kind)
     s = packed.numel() // world_size
     _check_flat(wire, "wire", (torch.uint8,))
+    _check_wire_aligned(wire)
     if wire.numel() < world_size * segment_bytes(s, block) or wire.device != packed.device:
         raise ValueError(f"wire needs {world_size * segment_bytes(s, block)} bytes on packed's device")
     if residual is not None:
@@ -252,6 +262,7 @@ def dequantize_sum(
     With ``return_stats`` returns the sum of squares and a non-finite flag of ``out`` as written.
     """
     _check_flat(wire, "wire", (torch.uint8,))
+    _check_wire_aligned(wire)
     _check_flat(out, "out", DTYPES)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -313,6 +324,7 @@ class PackQuantizePlan(_Plan):
 
     def _check(self, wire: torch.Tensor, residual: torch.Tensor | None) -> None:
         _check_flat(wire, "wire", (torch.uint8,))
+        _check_wire_aligned(wire)
         if wire.numel() < self.wire_bytes or wire.device != self.device:
             raise ValueError(
                 f"wire needs {self.wire_bytes} bytes on {self.device}, got {wire.numel()} on {wire.device}"
@@ -333,10 +345,13 @@ class PackQuantizePlan(_Plan):
             if self._table.refresh(tensors, "tensors", wire, "wire", True):
                 self._table.upload()
             if self.backend in _COMPILED:
-                self._op(
-                    self._table.on_device, self._runs, self.layout.numel, self.layout.world_size, self.block,
-                    self._kind_code, scale, wire, residual,
-                )  # fmt: skip
+                try:
+                    self._op(
+                        self._table.acquire(), self._runs, self.layout.numel, self.layout.world_size, self.block,
+                        self._kind_code, scale, wire, residual,
+                    )  # fmt: skip
+                finally:
+                    self._table.release()
             else:
                 self._kernels.pack_quantize(tensors, self.layout, scale, self.block, self.kind, wire, residual)
 

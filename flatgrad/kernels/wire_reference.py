@@ -53,15 +53,20 @@ All arithmetic is fp32, round-to-nearest-even, no fused multiply-add.
   division; ``Q = 127`` for int8, ``448`` for fp8 e4m3fn). If ``scale == 0`` the
   block is all zeros. Otherwise ``y = x / scale`` (fp32 division, not a reciprocal
   multiply), then int8: ``clamp(round_half_even(y), -127, 127)``; fp8:
-  ``float8_e4m3fn(clamp(y, -448, 448))`` (saturating, torch's RNE cast).
-  With error feedback the residual becomes ``x - float32(q) * scale``.
+  ``float8_e4m3fn(clamp(y, -448, 448))`` (saturating, torch's RNE cast); see
+  ``quantize_codes``. With error feedback the residual becomes ``x - float32(q) * scale``.
+* Non-finite input: a block holding NaN has a NaN scale, one holding inf (and no
+  NaN) an inf scale; then every ``y`` is ``±0`` or NaN, and a NaN ``y`` is the code
+  int8 ``0`` / fp8 ``0x7F`` on every backend (``fmaxf``, ``std::max`` and
+  ``tl.maximum`` would clamp it to the lowest code instead). Such a block
+  dequantizes to NaN in every element (``0 * inf``, ``q * NaN``).
+  The sign and payload of a NaN in fp32 (a scale, a residual, an output)
+  are not part of the contract; the codes are.
 * Dequantize: ``v_w = float32(q_w) * scale_w`` (one fp32 multiply).
 * Sum (both unpacks): ``acc = v_0``, then ``acc = acc + v_w`` for ``w = 1 .. W-1``,
   in that order (``v_w = float32(source_w)`` for ``exact``). Then ``acc = acc * post``
   if ``post != 1``; ``out = cast(acc)``, or with ``accumulate``
   ``out = cast(float32(out) + acc)``.
-* A block holding inf or NaN produces non-finite values; their bits are not
-  part of the contract.
 * Stats (both unpacks, optional): fp32 ``[sum_sq, nonfinite_count]`` of the values
   as written to ``out`` (after the cast, and after the accumulate), as the regular
   unpack's (see [Note: arithmetic contract] in ``reference.py``). The order of the
@@ -110,6 +115,21 @@ def wire_views(wire: torch.Tensor, world_size: int, shard_numel: int, block: int
     return values, scales
 
 
+def quantize_codes(y: torch.Tensor, kind: str) -> torch.Tensor:
+    """The wire values of ``y = x / scale`` (fp32), as ``value_dtype(kind)``. See [Note: wire arithmetic contract].
+
+    int8: ``clamp(round_half_even(y), -127, 127)``; fp8: ``float8_e4m3fn(clamp(y, -448, 448))``.
+    NaN (every ``y`` of a block whose scale is inf or NaN may be one) is int8 ``0`` and fp8 ``0x7F``
+    (e4m3fn's NaN, positive): one code on every backend, whatever the NaN's sign or the cast's habits.
+    """
+    nan = torch.isnan(y)
+    if kind == "int8":
+        q = torch.round(y).clamp(-127.0, 127.0)
+        return torch.where(nan, torch.zeros_like(q), q).to(torch.int8)
+    bits = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(nan, torch.full_like(bits, 0x7F), bits).view(torch.float8_e4m3fn)
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """``[W, S]`` -> ``[W, nblocks, block]``, zero-padded."""
     w, s = x.shape
@@ -133,13 +153,13 @@ def quantize(
     if residual is not None:
         x = x + residual.view(world_size, s)
     xb = _blocks(x, block)
-    scale = xb.abs().amax(dim=-1) / QMAX[kind]
+    amax = xb.abs().amax(dim=-1)
+    # A tensor divisor on amax's device: ATen divides a CUDA tensor by a Python scalar as a multiply by
+    # its reciprocal, which is not the correctly rounded division the kernels do.
+    scale = amax / torch.full_like(amax, QMAX[kind])
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     y = torch.where(scale[..., None] == 0, torch.zeros_like(xb), xb / safe[..., None])
-    if kind == "int8":
-        q = torch.round(y).clamp(-127.0, 127.0).to(torch.int8)
-    else:
-        q = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    q = quantize_codes(y, kind)
     values, scales = wire_views(wire, world_size, s, block, kind)
     values.copy_(q.view(world_size, -1)[:, :s])
     scales.copy_(scale)

@@ -12,6 +12,9 @@ and on sm_90 alike, where Triton's own conversions differ between them:
   bit operations (the same trick at the value's quantum), so no backend-specific
   float8 cast is involved.
 
+Every launch enters the tensors' device first (``triton_backend._on_device``):
+Triton launches on the current CUDA device, whatever the tensors'.
+
 ``_pack_quantize_kernel`` (see [Note: pack-quantize] in ``wire_reference.py``)
 reads the gradients through the pack run table and ``triton_backend``'s pointer
 tables (see [Note: triton pointer tables]) and shares the quantize itself
@@ -81,6 +84,24 @@ def _fp8_decode(code):
 
 
 @_jit
+def _quantize_code(y, KIND: tl.constexpr):
+    """``(code int32, its fp32 value)`` of ``y = x / scale``, as ``wire_reference.quantize_codes``.
+
+    NaN is int8 0 and fp8 0x7F; it is replaced by 0 before the clamps (``tl.maximum``
+    drops NaN on the GPU, so the lowest code would come out) and the encoding.
+    """
+    nan = y != y
+    y = tl.where(nan, 0.0, y)
+    if KIND == 0:
+        dq = tl.minimum(tl.maximum(_rne_int(y), -127.0), 127.0)
+        code = dq.to(tl.int32)
+    else:
+        code = tl.where(nan, 0x7F, _fp8_encode(tl.minimum(tl.maximum(y, -448.0), 448.0)))
+        dq = _fp8_decode(code)
+    return code, dq
+
+
+@_jit
 def _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE: tl.constexpr, STATS: tl.constexpr):
     if scale != 1.0:
         acc = acc * scale
@@ -105,8 +126,10 @@ def _sum_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < shard_numel
     acc = _to_f32(tl.load(src_ptr + offs, mask=mask, other=0))
+    source = tl.full([], 0, tl.int64)  # w * shard_numel in i64: an i32 shard_numel would overflow past 2^31
     for w in range(1, world_size):
-        acc = acc + _to_f32(tl.load(src_ptr + w * shard_numel + offs, mask=mask, other=0))
+        source += shard_numel
+        acc = acc + _to_f32(tl.load(src_ptr + source + offs, mask=mask, other=0))
     _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE, STATS)
 
 
@@ -129,12 +152,7 @@ def _quantize_store(
     zero = scale == 0.0
     y = tl.math.div_rn(x, tl.where(zero, 1.0, scale))
     y = tl.where(zero, 0.0, y)
-    if KIND == 0:
-        dq = tl.minimum(tl.maximum(_rne_int(y), -127.0), 127.0)
-        code = dq.to(tl.int32)
-    else:
-        code = _fp8_encode(tl.minimum(tl.maximum(y, -448.0), 448.0))
-        dq = _fp8_decode(code)
+    code, dq = _quantize_code(y, KIND)
     tl.store(values_ptr + w * seg + in_segment, code.to(tl.int8), mask=mask)
     tl.store(scales_ptr + (w * seg + scales_at) // 4 + j, scale)
     if HAS_RES:
@@ -226,14 +244,16 @@ def _dequantize_sum_kernel(
     offs = j * BLOCK + tl.arange(0, BLOCK)
     mask = offs < shard_numel
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    segment = tl.full([], 0, tl.int64)  # w * seg in i64: an i32 seg would overflow once the wire passes 2 GiB
     for w in range(0, world_size):
-        raw = tl.load(values_ptr + w * seg + offs, mask=mask, other=0).to(tl.int32)
+        raw = tl.load(values_ptr + segment + offs, mask=mask, other=0).to(tl.int32)
         if KIND == 0:
             q = raw.to(tl.float32)
         else:
             q = _fp8_decode(raw & 0xFF)
-        v = q * tl.load(scales_ptr + (w * seg + scales_at) // 4 + j)
+        v = q * tl.load(scales_ptr + (segment + scales_at) // 4 + j)
         acc = tl.where(w == 0, v, acc + v)
+        segment += seg
     _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE, STATS)
 
 
@@ -265,10 +285,11 @@ class Backend:
         programs = triton.cdiv(s, _SUM_BLOCK)
         sum_sq, nonfinite = _partials(programs, stats, out.device)
         if programs:
-            _sum_kernel[(programs,)](
-                recv, out, s, world_size, scale, sum_sq, nonfinite, ACCUMULATE=accumulate, STATS=stats,
-                BLOCK=_SUM_BLOCK, **_OPTIONS,
-            )  # fmt: skip
+            with _on_device(out.device):
+                _sum_kernel[(programs,)](
+                    recv, out, s, world_size, scale, sum_sq, nonfinite, ACCUMULATE=accumulate, STATS=stats,
+                    BLOCK=_SUM_BLOCK, **_OPTIONS,
+                )  # fmt: skip
         return _reduce(sum_sq, nonfinite, programs, stats)
 
     def quantize(
@@ -277,11 +298,12 @@ class Backend:
         s = packed.numel() // world_size
         nb = nblocks(s, block)
         wire = wire[: world_size * segment_bytes(s, block)]
-        _quantize_kernel[(world_size * nb,)](
-            packed, residual if residual is not None else packed, wire.view(torch.int8), wire.view(torch.float32), s,
-            segment_bytes(s, block), round16(s), nb, KIND=_KINDS[kind], HAS_RES=residual is not None, BLOCK=block,
-            **_OPTIONS,
-        )  # fmt: skip
+        with _on_device(packed.device):
+            _quantize_kernel[(world_size * nb,)](
+                packed, residual if residual is not None else packed, wire.view(torch.int8), wire.view(torch.float32),
+                s, segment_bytes(s, block), round16(s), nb, KIND=_KINDS[kind], HAS_RES=residual is not None,
+                BLOCK=block, **_OPTIONS,
+            )  # fmt: skip
 
     def pack_quantize(
         self, tensors: Sequence[torch.Tensor | None], layout: Layout, scale: float, block: int, kind: str,
@@ -314,11 +336,12 @@ class Backend:
         sum_sq, nonfinite = _partials(programs, stats, out.device)
         wire = wire[: world_size * segment_bytes(s, block)]
         if programs:
-            _dequantize_sum_kernel[(programs,)](
-                wire.view(torch.int8), wire.view(torch.float32), out, s, segment_bytes(s, block), round16(s),
-                world_size, scale, sum_sq, nonfinite, KIND=_KINDS[kind], ACCUMULATE=accumulate, STATS=stats,
-                BLOCK=block, **_OPTIONS,
-            )  # fmt: skip
+            with _on_device(out.device):
+                _dequantize_sum_kernel[(programs,)](
+                    wire.view(torch.int8), wire.view(torch.float32), out, s, segment_bytes(s, block), round16(s),
+                    world_size, scale, sum_sq, nonfinite, KIND=_KINDS[kind], ACCUMULATE=accumulate, STATS=stats,
+                    BLOCK=block, **_OPTIONS,
+                )  # fmt: skip
         return _reduce(sum_sq, nonfinite, programs, stats)
 
 
@@ -326,8 +349,46 @@ def _flags(accumulate: bool, stats: bool) -> str:
     return "".join(f",{flag}" for flag, on in (("accumulate", accumulate), ("stats", stats)) if on)
 
 
+def _launch_sizes(block: int) -> dict[str, dict[str, dict[str, int]]]:
+    """Integer arguments of representative launches, per kernel: what the launchers pass for a
+    typical bucket (sizes that fit in i32, some multiples of 16) and for one rank with one block
+    and one run (the values Triton turns into constants)."""
+    sizes = {}
+    for label, s, world_size, runs in (("i32", 1000, 4, 7), ("ones", block, 1, 1)):
+        seg, nb = segment_bytes(s, block), nblocks(s, block)
+        sizes[label] = {
+            "_sum_kernel": {"shard_numel": s, "world_size": world_size},
+            "_quantize_kernel": {"shard_numel": s, "seg": seg, "scales_at": round16(s), "nblocks": nb},
+            "_pack_quantize_kernel": {
+                "num_runs": runs, "shard_numel": s, "seg": seg, "scales_at": round16(s), "nblocks": nb,
+            },  # fmt: skip
+            "_dequantize_sum_kernel": {
+                "shard_numel": s, "seg": seg, "scales_at": round16(s), "world_size": world_size,
+            },  # fmt: skip
+        }
+    return sizes
+
+
 def kernel_specs(block: int = 256) -> list:
-    """Every (kernel, specialisation) the launchers use, at quantization ``block``, for ``.ci/triton_compile.py``."""
+    """Every (kernel, specialisation) the launchers use, at quantization ``block``, for ``.ci/triton_compile.py``.
+
+    Each kernel comes with its sizes declared i64 (what launches once a size passes 2^31), then
+    as launched with i32 sizes for every dtype combination (``[...|i32]``), and with the sizes
+    Triton makes constants (``[...|ones]``, bf16 only); see ``KernelSpec.launch``.
+    """
+    declared = _declared_specs(block)
+    sizes = _launch_sizes(block)
+    launched = []
+    for spec in declared:
+        kernel = spec.fn.__name__
+        for label, by_kernel in sizes.items():
+            if label == "ones" and "bf16" not in spec.name:
+                continue
+            launched.append(spec._replace(name=f"{spec.name[:-1]}|{label}]", launch=by_kernel[kernel]))
+    return declared + launched
+
+
+def _declared_specs(block: int) -> list:
     from .triton_backend import KernelSpec
 
     short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -36,18 +36,8 @@ inline void quantize_values(float* x, float* res, int64_t n, int64_t kind, uint8
     return;
   }
   for (int64_t k = 0; k < n; ++k) {
-    const float y = x[k] / scale;
     float dq;
-    if (kind == kInt8) {
-      const float r = std::nearbyint(y);  // round half to even (the default rounding mode)
-      const int8_t q = r != r ? int8_t(0) : static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-      values[k] = static_cast<uint8_t>(q);
-      dq = static_cast<float>(q);
-    } else {
-      const c10::Float8_e4m3fn q(std::min(448.0f, std::max(-448.0f, y)));
-      values[k] = q.x;
-      dq = static_cast<float>(q);
-    }
+    values[k] = quantize_code(x[k] / scale, kind, &dq);
     if (res != nullptr) res[k] = x[k] - dq * scale;
   }
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import inspect
 import logging
 import os
@@ -155,7 +156,7 @@ def route(*args: Any, **kwargs: Any) -> Route:
         return Route("zero2", arguments, ds_config, cfg)
     if stage == 3:
         try:
-            from . import zero3  # noqa: F401  (needs DeepSpeed's stage-3 optimizer)
+            importlib.import_module(f"{__package__}.zero3")  # it needs DeepSpeed's stage-3 optimizer
         except ImportError as exc:
             raise UnsupportedConfigError(
                 f"flatgrad's ZeRO-3 backend is not available ({exc}) ('zero_optimization.stage' = 3)"

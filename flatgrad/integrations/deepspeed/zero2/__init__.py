@@ -2,7 +2,8 @@
 
 One concern per module: ``groups`` (the sub-group split, before DeepSpeed flattens), ``partitions`` (DeepSpeed's
 partitions checked against flatgrad's layouts), ``reduction`` (``Zero2Reduction``: the reducers, windows and
-hand-over), ``step`` (the merged step), ``stats`` (norm and overflow from the unpack), ``checkpoint`` (the loaders),
+hand-over), ``step`` (the merged step), ``stats`` (norm and overflow from the unpack), ``stock_norm`` (the clipping norm as stock computes
+it), ``checkpoint`` (the loaders),
 and ``seams`` (what is replaced on DeepSpeed's optimizer, and ``install``).
 """
 

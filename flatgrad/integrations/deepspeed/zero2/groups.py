@@ -115,7 +115,11 @@ def prepare(cfg: FlatgradConfig) -> Iterator[None]:
                 "parameters marked use_muon (the Muon optimizer) rewrite gradients while DeepSpeed builds the "
                 "partition, which flatgrad replaces ('optimizer.type')"
             )
+        from deepspeed.runtime.utils import is_optimized_parameter
+
         before = len(init_optimizer.param_groups)
+        # Stock's flat order of every unsplit group, for the clipping norm: see [Note: stock clipping norm].
+        unsplit = [[p for p in group["params"] if is_optimized_parameter(p)] for group in init_optimizer.param_groups]
         groups, origins = [], []
         for g, group in enumerate(init_optimizer.param_groups):
             subs = split_param_groups([group], order, bucket)
@@ -131,6 +135,7 @@ def prepare(cfg: FlatgradConfig) -> Iterator[None]:
         )
         zero = DeepSpeedZeroOptimizer(init_optimizer, param_names, *args, **kwargs)
         zero._flatgrad_origins = (before, origins)
+        zero._flatgrad_unsplit = unsplit
         return zero
 
     engine_mod.DeepSpeedZeroOptimizer = build

@@ -54,6 +54,7 @@ from .checkpoint import Zero2Checkpoints
 from .partitions import agree_on_setup, arena_positions, partition_views, verify_layout, view_plan
 from .stats import Zero2StepStats
 from .step import Zero2Step
+from .stock_norm import StockNorm
 
 __all__ = ["Zero2Reduction", "stock_scales"]
 
@@ -139,6 +140,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
             comm.backend_name(r.process_group, self.device) == "gloo" for r in self.reducers
         )
         self._pipe_replicated = any(getattr(p, PIPE_REPLICATED, False) for p in self._bit16_params)
+        self._stock_norm: StockNorm | None = None  # planned at the first clipped step
 
     def _sub_groups_by_process_group(self) -> dict[int, tuple[Any, list[int]]]:
         """Every sub-group's layout, checked against DeepSpeed's on every rank, and the sub-groups of each process group
@@ -323,17 +325,19 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         """Bytes flatgrad keeps between steps besides gradients and optimizer state, counted in memory figures.
 
         The kernels' cached run tables, the reducers' plan tables, the gather
-        plans' copy tables (gloo), the stats order, and inside a window the
-        stats: hundreds of bytes to KBs, which memory targets against stock name
-        rather than hide.
+        plans' copy tables (gloo), the stats order, the clipping norm's plan
+        (``StockNorm``, after a clipped step), and inside a window the stats:
+        hundreds of bytes to KBs, which memory targets against stock name rather
+        than hide.
         """
         from ....kernels import _tables
 
         gathers = sum(plan.table_bytes for plan, _ in self._gather_plan or ())
         step_stats = self._step_stats.nbytes if self._step_stats is not None else 0
+        stock_norm = self._stock_norm.metadata_bytes() if self._stock_norm is not None else 0
         return (
             _tables.nbytes() + sum(r.metadata_bytes() for r in self.reducers) + gathers
-            + self._stats_order.nbytes + step_stats
+            + self._stats_order.nbytes + step_stats + stock_norm
         )  # fmt: skip
 
     def describe(self) -> str:

@@ -11,7 +11,10 @@ so its stats are exactly what both checks need. ``has_overflow`` and
 ``scaled_global_norm`` are replaced to use them: one all_reduce of
 ``sub-groups + 1`` floats over the data-parallel group serves both, and MoE
 groups are then averaged over their expert group as stock does. Summation
-order differs from stock's per-piece norms (within fp32 rounding). With model
+order differs from stock's per-piece norms (within fp32 rounding), so a norm
+that clips is stock's instead: read from the partitions per piece of stock's
+partitions, in the same one all_reduce (see [Note: stock clipping norm] in
+``stock_norm.py``; MoE runs keep the stats). With model
 or pipeline parallelism, where stock filters pieces by rank, the norm is read
 from the partitions as stock does; so it is in a window where a gradient was
 written through DeepSpeed's API after its unpack (``safe_set_full_grad`` ends
@@ -25,6 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from .stock_norm import StockNorm
 
 __all__ = ["Zero2StepStats"]
 
@@ -61,7 +66,10 @@ class Zero2StepStats:
         The values come from the last unpack of every sub-group (the accumulated
         partition as written, see ``BucketReducer.shard_stats``), so no partition is
         read again; computed once per step and shared by ``has_overflow`` and
-        ``scaled_global_norm``. See [Note: ZeRO-2 step statistics].
+        ``scaled_global_norm``. See [Note: ZeRO-2 step statistics]. When the norm
+        clips (``_clips_as_stock``) the squared norms are instead the fp64 sums over
+        stock's partitions, read from the partitions as stock reads them, in the
+        same all_reduce (fp64). See [Note: stock clipping norm].
         """
         import deepspeed.comm as dist
 
@@ -69,7 +77,12 @@ class Zero2StepStats:
             o = self.optimizer
             rows = [stats for reducer in self.reducers for stats in reducer.shard_stats()]
             stacked = torch.stack(rows).to(self.device).index_select(0, self._stats_order)  # [G, 2]: sum_sq, nonfinite
-            total = torch.cat([stacked[:, 0], stacked[:, 1].sum().reshape(1)])
+            nonfinite = stacked[:, 1].sum().reshape(1)
+            if self._clips_as_stock():  # fp64 sums of stock's partitions instead: see [Note: stock clipping norm]
+                partitions = [p.flat_partition for p in self.partitions]
+                total = torch.cat([self._stock_norm_plan().partial_sums(partitions), nonfinite.double()])
+            else:
+                total = torch.cat([stacked[:, 0], nonfinite])
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=o.dp_process_group)
             self._step_stats = total
         return self._step_stats
@@ -97,6 +110,8 @@ class Zero2StepStats:
         o = self.optimizer
         if norm_type != 2:
             raise ValueError(f"only the L2 gradient norm is supported, got norm_type={norm_type}")
+        if self.partitions is not None and self._clips_as_stock():
+            return self._stock_norm_plan().combine(self._reduced_stats()[:-1], o.dp_process_group)
         if self._stats_usable() and self.partitions is not None:
             total = self._reduced_stats()[:-1].clone()
         else:
@@ -110,6 +125,30 @@ class Zero2StepStats:
                 total[indices] = scaled
         # Stock passes G group norms, which it stacks: the vector as one group is that stack, with no G views.
         return combine_grad_norm_groups([total], norm_type=2)
+
+    def _clips_as_stock(self) -> bool:
+        """Whether this step's norm clips and comes from ``StockNorm``: clipping on, no MoE, no model or
+        pipeline parallelism (those keep their own paths), stats for the overflow count."""
+        o = self.optimizer
+        if o.clip_grad <= 0.0 or o.has_moe_layers or o.mpu is not None or o.model_parallel_group is not None:
+            return False
+        return not self._pipe_replicated and all(r.stats_available for r in self.reducers)
+
+    def _stock_norm_plan(self) -> StockNorm:
+        """Where stock's partitions lie in this rank's partitions: planned once, at the first clipped step."""
+        import deepspeed.comm as dist
+
+        if self._stock_norm is None:
+            o = self.optimizer
+            world_size = dist.get_world_size(group=o.dp_process_group)
+            unsplit = o._flatgrad_unsplit
+            if o.round_robin_gradients:  # stock's flat order then: DeepSpeed's own reorder of each group
+                unsplit = [o._round_robin_reorder(params, world_size)[0] for params in unsplit]
+            self._stock_norm = StockNorm(
+                unsplit, o.round_robin_bit16_groups, self.layouts, dist.get_rank(group=o.dp_process_group),
+                world_size, int(o.nccl_start_alignment_factor), self.device,
+            )  # fmt: skip
+        return self._stock_norm
 
     def _squared_norms_from_partitions(self) -> torch.Tensor:
         """Stock's per-group squared norms, read from the partitions (model or pipeline parallel runs)."""

@@ -1,0 +1,115 @@
+"""ZeRO-1/2's clipping norm computed as stock DeepSpeed computes it, over flatgrad's sub-group partitions.
+
+[Note: stock clipping norm]
+The clip factor divides every gradient by the norm: a norm 1 ulp off moves
+them all by 1 ulp, which Adam turns into parameter differences. Stock's norm
+per param group: on each rank one fp64 norm per piece of its partition of the
+unsplit group, squared and summed in fp64, cast to fp32, summed over the ranks
+by an all_reduce, rooted in fp32; then ``combine_grad_norm_groups``. Another
+flatgrad rank may hold part of stock's partition of rank ``r``, so
+``StockNorm`` plans once where stock's pieces lie in this rank's partitions and
+sums their squared fp64 norms per (group, stock rank); one fp64 all_reduce
+completes them (equal to stock's after the fp32 cast). Up to 2 ranks the fp32
+sum over ranks is order-free; above, it is stock's own all_reduce, one per
+param group. Unclipped, the norm is only reported: the unpack's stats give it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ....layout import Layout
+
+__all__ = ["StockNorm"]
+
+
+class StockNorm:
+    """Where stock's per-rank partitions of every unsplit param group lie in this rank's sub-group partitions.
+
+    Args:
+        stock_groups: stock's flat order of every unsplit param group (its trainable params, as
+            DeepSpeed flattens them).
+        sub_groups: the params of every sub-group, in its flat order.
+        layouts: every sub-group's ``Layout`` (flatgrad's partitions, DeepSpeed's flats).
+        rank, world_size: this rank in the data-parallel group, and its size.
+        align: DeepSpeed's ``nccl_start_alignment_factor`` (stock pads its flat to ``align * world_size``).
+        device: where the plan's index lives (the partitions' device).
+    """
+
+    def __init__(
+        self,
+        stock_groups: Sequence[Sequence[torch.Tensor]],
+        sub_groups: Sequence[Sequence[torch.Tensor]],
+        layouts: Sequence[Layout],
+        rank: int,
+        world_size: int,
+        align: int,
+        device: torch.device,
+    ):
+        self.rank, self.world_size = rank, world_size
+        self.num_groups = len(stock_groups)
+        stock_place: dict[int, tuple[int, int, int]] = {}  # param -> (group, offset in stock's flat, shard_numel)
+        for g, params in enumerate(stock_groups):
+            stock = Layout.flat([p.numel() for p in params], world_size, align)
+            for p, offset in zip(params, stock.offsets):
+                stock_place[id(p)] = (g, offset, stock.shard_numel)
+        segments: list[tuple[int, int, int]] = []  # (sub-group, shard offset, length), in partition order
+        index: list[int] = []  # group * world_size + stock rank, per segment
+        for i, (params, layout) in enumerate(zip(sub_groups, layouts)):
+            for pc in layout.pieces(rank):
+                p = params[pc.tensor_index]
+                if id(p) not in stock_place:
+                    raise RuntimeError(f"flatgrad: a parameter of sub-group {i} is in no unsplit param group")
+                g, base, shard = stock_place[id(p)]
+                start, stop = base + pc.tensor_offset, base + pc.tensor_offset + pc.length  # in stock's flat
+                while start < stop:
+                    r = start // shard
+                    end = min(stop, (r + 1) * shard)
+                    segments.append((i, pc.shard_offset + start - base - pc.tensor_offset, end - start))
+                    index.append(g * world_size + r)
+                    start = end
+        self.segments = segments
+        self.index = torch.tensor(index, dtype=torch.long, device=device)
+
+    def partial_sums(self, partitions: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of stock's per-rank squared norms: fp64 ``[groups * world_size]``.
+
+        ``partitions[i]`` is sub-group ``i``'s flat partition. One fp64 norm per
+        segment, as stock takes one per piece (so no fp64 copy larger than stock's).
+        """
+        out = torch.zeros(self.num_groups * self.world_size, dtype=torch.float64, device=self.index.device)
+        if self.segments:
+            views = [partitions[i].narrow(0, offset, length) for i, offset, length in self.segments]
+            norms = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64))
+            out.index_add_(0, self.index, norms.pow(2.0))
+        return out
+
+    def combine(self, sums: torch.Tensor, group: Any) -> torch.Tensor:
+        """Stock's global norm from ``sums``, every rank's ``partial_sums`` added up (fp64, all ranks).
+
+        Each stock rank's value is cast to fp32 as stock casts it, summed over the
+        ranks in stock's order (above 2 ranks by stock's all_reduce, one per param
+        group), rooted and masked per group, then combined by DeepSpeed's own rule.
+        """
+        import deepspeed.comm as dist
+        from deepspeed.runtime.utils import combine_grad_norm_groups, mask_nan_or_inf_with_val_inplace
+
+        per_rank = sums.view(self.num_groups, self.world_size).float()
+        norms = []
+        for g in range(self.num_groups):
+            if self.world_size <= 2:
+                total = per_rank[g].sum()  # one fp32 addition at most: as any all_reduce adds it
+            else:
+                total = per_rank[g, self.rank].clone()
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            norm = total.pow(1.0 / 2.0)
+            mask_nan_or_inf_with_val_inplace(norm, device=norm.device)
+            norms.append(norm)
+        return combine_grad_norm_groups(norms, norm_type=2)
+
+    def metadata_bytes(self) -> int:
+        """Bytes this plan keeps on the device: the segments' group-and-rank index."""
+        return self.index.nbytes
