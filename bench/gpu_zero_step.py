@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     """Train every pair's two setups in turn; the JSON document (failures recorded, never raised)."""
     import torch
 
-    from flatgrad.demo import launch
+    from flatgrad.testing import launch
 
     cuda = args.device == "cuda"
     if cuda:

@@ -44,7 +44,7 @@ import torch
 
 from flatgrad.bench._harness import machine_info, machine_line
 from flatgrad.bench.memory_census import MemoryCensus
-from flatgrad.demo.launch import run_ranks
+from flatgrad.testing.launch import run_ranks
 from flatgrad.plan.memory import gradient_path_memory
 
 _MODES = ("stock", "flatgrad")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from flatgrad.bench._harness import machine_info, machine_line
-from flatgrad.demo.launch import run_ranks
+from flatgrad.testing.launch import run_ranks
 
 _SETUPS = ("stock", "flatgrad")
 

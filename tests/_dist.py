@@ -1,6 +1,6 @@
 """Run a function on W real processes joined in one gloo group on 127.0.0.1, for multi-rank tests.
 
-The launcher itself lives in ``flatgrad/demo/launch.py`` (``flatgrad demo``
+The launcher itself lives in ``flatgrad/testing/launch.py`` (``flatgrad demo``
 uses the same one); this module re-exports it and adds ``count_collectives``.
 
 Usage::
@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
-from flatgrad.demo.launch import EXITED, PRELOAD, RankError, run_ranks
+from flatgrad.testing.launch import EXITED, PRELOAD, RankError, run_ranks
 
 __all__ = ["run_ranks", "RankError", "EXITED", "PRELOAD", "count_collectives", "COLLECTIVES"]
 

@@ -13,8 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from flatgrad import cli
-from flatgrad.demo import launch, report
+from flatgrad.demo import report
 from flatgrad.demo.setups import SETUPS, by_key
+from flatgrad.testing import launch
 
 pytestmark = pytest.mark.multiproc
 

@@ -164,7 +164,7 @@ def _check_plot_path(args: argparse.Namespace) -> bool:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run ``flatgrad demo``; returns the exit status (2 on bad input, 1 when a rank fails)."""
-    from . import launch
+    from ..testing import launch
     from .train import Options, rank_main
 
     started = time.perf_counter()

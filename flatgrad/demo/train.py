@@ -34,7 +34,7 @@ import torch
 
 from ..bench.memory_census import MemoryCensus
 from ..kernels import DTYPE_NAMES
-from .launch import send_message
+from ..testing.launch import send_message
 from .measure import CollectiveRecorder
 from .setups import DENSE, SEED_MODEL, Setup, build_model, ds_config, make_batches
 
