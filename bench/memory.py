@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 from flatgrad.bench._harness import machine_info, machine_line
-from flatgrad.bench.memory_census import MemoryCensus
-from flatgrad.testing.launch import run_ranks
 from flatgrad.plan.memory import gradient_path_memory
+from flatgrad.testing.census import MemoryCensus
+from flatgrad.testing.launch import run_ranks
 
 _MODES = ("stock", "flatgrad")
 

@@ -35,7 +35,7 @@ median and min over steps.
 
 [Note: reducer memory]
 Memory per method, counted by flatgrad's counting CPU allocator
-(``flatgrad.bench.memory_census``): ``peak`` is the most tensor memory live
+(``flatgrad.testing.census``): ``peak`` is the most tensor memory live
 during a method's backward + reduction above what was live before it (the
 gradients, the buffers it touches, gloo's scratch), median over steps;
 ``held`` is what its buffers take between steps (flatgrad: the comm buffer
@@ -64,13 +64,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import flatgrad
 from flatgrad import comm
-from flatgrad.bench.memory_census import MemoryCensus
 from flatgrad.reducer import BucketReducer, build_buckets
+from flatgrad.testing.census import MemoryCensus
+from flatgrad.testing.launch import run_ranks
 
 METHODS = ("backward", "flatgrad", "ddp_allreduce", "zero2_reduce")
 
@@ -403,10 +403,7 @@ def _collective_methods(numel: int, world_size: int, repeats: int) -> dict:
     return times
 
 
-def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, out_queue: Any) -> None:
-    torch.set_num_threads(args.threads)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     size = dict(SIZES["quick" if args.quick else "full"])
     bucket_numel = args.bucket_numel or size.pop("bucket_numel")
     size.pop("bucket_numel", None)
@@ -488,18 +485,10 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         "method": flat.reducer._buckets[0].method,
         "threads": torch.get_num_threads(),
     }
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (records, meta, collectives))
-    if rank == 0:
-        out_queue.put(
-            dict(
-                records=[g[0] for g in gathered], meta=[g[1] for g in gathered], collectives=[g[2] for g in gathered],
-                num_params=sum(p.numel() for p in params), buckets=[sum(p.numel() for p in b) for b in buckets],
-                size=dict(size, batch=batch, bucket_numel=bucket_numel),
-            )
-        )  # fmt: skip
-    dist.barrier()
-    dist.destroy_process_group()
+    return dict(
+        records=records, meta=meta, collectives=collectives, num_params=sum(p.numel() for p in params),
+        buckets=[sum(p.numel() for p in b) for b in buckets], size=dict(size, batch=batch, bucket_numel=bucket_numel),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- summary
@@ -623,22 +612,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from flatgrad.bench._harness import machine_info, machine_line
 
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.world_size, store.port, args, queue), daemon=True)
-        for r in range(args.world_size)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        run = queue.get(timeout=3600)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    per_rank = run_ranks(
+        _rank_main, args.world_size, args, timeout=3600, pg_timeout=timedelta(seconds=300), threads=args.threads
+    )
+    run = dict(per_rank[0], **{key: [r[key] for r in per_rank] for key in ("records", "meta", "collectives")})
     info = machine_info()
     meta = run["meta"][0]
     result = dict(

@@ -141,7 +141,7 @@ def _equivalence_rank(rank, world_size, cases):
                 "reductions": reduction.reductions if reduction is not None else 0,
                 "reduce_scatters": counter.count("reduce_scatter"),
                 "gradient_collectives": sum(
-                    1 for name in ("all_reduce", "reduce") for n, _ in counter.calls.get(name, []) if n > 1
+                    1 for name in ("all_reduce", "reduce") for n, _ in counter.buffers().get(name, []) if n > 1
                 ),
             }
             result[kind] = (losses, params_of(engine), len(engine.optimizer.bit16_groups), used)
@@ -209,10 +209,10 @@ def _collectives_rank(rank, world_size, stage, gas):
                 loss = engine(x, y)
                 counter.reset()
                 engine.backward(loss)
-                per_backward.append({k: list(v) for k, v in counter.calls.items()})
+                per_backward.append({k: list(v) for k, v in counter.buffers().items()})
                 counter.reset()
                 engine.step()
-                per_step.append({k: list(v) for k, v in counter.calls.items()})
+                per_step.append({k: list(v) for k, v in counter.buffers().items()})
         out[kind] = (per_backward, len(engine.optimizer.bit16_groups), per_step)
     return out
 
@@ -350,7 +350,7 @@ def _memory_rank(rank, world_size, stage, dtype):
 
     Also whether flatgrad's fp32 partitions exist inside an accumulation window and are gone after step().
     """
-    from flatgrad.bench.memory_census import MemoryCensus
+    from flatgrad.testing.census import MemoryCensus
 
     batches = make_batches(rank, 4, 2, 64, 64)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -483,12 +483,12 @@ def _stats_rank(rank, world_size, moe):
                 with PartitionReads(partitions) as recorder, count_collectives() as counter:
                     engine.step()
                 reads.append(recorder.ops)
-                step_calls.append({op: len(v) for op, v in counter.calls.items()})
+                step_calls.append({op: len(v) for op, v in counter.buffers().items()})
             else:
                 with count_collectives() as counter:
                     engine.step()
                 if k % 2 == 1:
-                    step_calls.append({op: len(v) for op, v in counter.calls.items()})
+                    step_calls.append({op: len(v) for op, v in counter.buffers().items()})
         multi_rank = 0
         if kind == "flatgrad":
             multi_rank = sum(len(r.buckets) for r in engine.optimizer._flatgrad.reducers if r.world_size > 1)
@@ -801,7 +801,7 @@ def _moe_rank(rank, world_size, steps):
                 loss = engine(x, y)
                 counter.reset()
                 engine.backward(loss)
-                calls.append({k: list(v) for k, v in counter.calls.items()})
+                calls.append({k: list(v) for k, v in counter.buffers().items()})
                 counter.reset()
                 if i == 0:
                     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}

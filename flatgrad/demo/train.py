@@ -10,7 +10,7 @@ from the step, so the MoE gate's random token selection is the same for all.
 Per setup and step this rank measures wall times (forward, backward =
 autograd + DeepSpeed's hooks + the gradient reduction + its epilogue, the
 optimizer step, and the whole step), the loss, every collective call (see
-``measure``), and memory. Rank 0 reports progress to the parent with ``send_message``.
+``flatgrad.testing.collectives``), and memory. Rank 0 reports progress to the parent with ``send_message``.
 
 [Note: demo memory]
 The engines of a stage are alive together while they are timed, so one
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from ..bench.memory_census import MemoryCensus
 from ..kernels import DTYPE_NAMES
+from ..testing.census import MemoryCensus
+from ..testing.collectives import CollectiveRecorder
 from ..testing.launch import send_message
-from .measure import CollectiveRecorder
 from .setups import DENSE, SEED_MODEL, Setup, build_model, ds_config, make_batches
 
 __all__ = ["Options", "init_deepspeed", "rank_main"]
