@@ -60,7 +60,7 @@ def _rank(rank: int, world_size: int, key: str, options: dict) -> dict:
 
     from flatgrad.demo.setups import build_model, by_key, ds_config, make_batches
     from flatgrad.kernels import DTYPE_NAMES
-    from flatgrad.demo.train import init_deepspeed
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
 
     device = options["device"]
     cuda = device == "cuda"

@@ -77,7 +77,7 @@ def _config(
 
 def _rank(rank: int, world_size: int, job: dict) -> dict:
     """Build and train one configuration under a census; this rank's figures."""
-    from flatgrad.demo.train import init_deepspeed
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
 
     init_deepspeed(rank, world_size, job["device"])
     import deepspeed

@@ -61,7 +61,7 @@ class _Deep(torch.nn.Module):
 
 
 def _rank(rank: int, world_size: int, job: dict) -> dict:
-    from flatgrad.demo.train import init_deepspeed
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
 
     init_deepspeed(rank, world_size, "cpu")
     import deepspeed

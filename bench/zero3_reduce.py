@@ -180,7 +180,7 @@ def _instrument(engine, probe: _Probe) -> None:
 
 
 def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
-    from flatgrad.demo.train import init_deepspeed
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
 
     init_deepspeed(rank, world_size, "cpu")
     import deepspeed

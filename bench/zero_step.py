@@ -307,7 +307,7 @@ def _run_model(
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
-    from flatgrad.demo.train import init_deepspeed
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
     from flatgrad.testing.collectives import CollectiveRecorder
 
     init_deepspeed(rank, world_size, "cpu")

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from flatgrad.testing.collectives import CollectiveRecorder
+from flatgrad.testing.deepspeed_rank import init_deepspeed
 from flatgrad.testing.launch import PRELOAD, run_ranks
 
 __all__ = [
@@ -49,21 +50,13 @@ for _name in _DS_PRELOAD:
 
 def _ds_rank(rank: int, world_size: int, fn: Callable, args: tuple) -> Any:
     """A rank's DeepSpeed setup (CPU accelerator, no shm op, ``deepspeed.comm`` over the group), then ``fn``."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu",
-    )  # fmt: skip
-    import logging
-
+    init_deepspeed(rank, world_size, "cpu")
     import deepspeed
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed refuses fp16 on the CPU accelerator unless oneDNN has fp16 kernels; torch's CPU
     # kernels compute fp16 correctly (slowly), which is all these tests need to exercise loss scaling.
     accelerator = deepspeed.accelerator.get_accelerator()
     accelerator.is_fp16_supported = lambda: True
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     return fn(rank, world_size, *args)
 
 
