@@ -100,8 +100,9 @@ class CollectiveRecorder:
 
     Args:
         names: the entry points to wrap (default ``ENTRY_POINTS``), in ``torch.distributed``
-            and, with ``deepspeed``, in ``deepspeed.comm``; flatgrad's comm layer is always seen.
-        deepspeed: wrap ``deepspeed.comm`` too, if it imports.
+            and, with ``deepspeed``, in ``deepspeed.comm`` and ``deepspeed.comm.comm``; flatgrad's
+            comm layer is always seen.
+        deepspeed: wrap DeepSpeed's comm modules too, if they import.
 
     Attributes:
         phase: the label the next calls are recorded under.
@@ -128,10 +129,14 @@ class CollectiveRecorder:
         if self.deepspeed:
             try:
                 import deepspeed.comm as ds_comm
-
-                modules.insert(0, ds_comm)
+                import deepspeed.comm.comm as ds_module
             except ImportError:
                 pass
+            else:
+                # The package re-exports the module's functions; DeepSpeed calls both, and the module's
+                # own chains (reduce_scatter_fn -> reduce_scatter_tensor) reach torch through references
+                # DeepSpeed keeps, so both are wrapped.
+                modules[:0] = [ds_comm, ds_module]
         for module in modules:
             for name in self.names:
                 fn = getattr(module, name, None)
