@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from flatgrad.testing.collectives import CollectiveRecorder
+from flatgrad.testing.deepspeed_rank import PRELOAD as DEEPSPEED_PRELOAD
 from flatgrad.testing.deepspeed_rank import init_deepspeed
 from flatgrad.testing.launch import PRELOAD, run_ranks
 
@@ -33,17 +34,8 @@ __all__ = [
 
 # --------------------------------------------------------------------------- launching
 
-# DeepSpeed's engine imports torch._dynamo and compiles Muon's decorators on
-# first use: ~20 s of CPU per process. The ranks of ``run_ranks`` fork
-# from one forkserver, so preloading these there pays that once per session.
-_DS_PRELOAD = [
-    "torch._dynamo",
-    "deepspeed",
-    "deepspeed.runtime.engine",
-    "deepspeed.runtime.zero.muon.muon_optimizer",
-    "deepspeed.moe.layer",
-]
-for _name in _DS_PRELOAD:
+# The ranks fork from one forkserver: DeepSpeed imported there once is paid once per session.
+for _name in DEEPSPEED_PRELOAD:
     if _name not in PRELOAD:
         PRELOAD.append(_name)
 

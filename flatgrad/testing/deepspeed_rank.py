@@ -7,7 +7,14 @@ import os
 
 import torch
 
-__all__ = ["init_deepspeed"]
+__all__ = ["init_deepspeed", "PRELOAD"]
+
+# Modules for the launcher's forkserver to import once when the ranks run DeepSpeed (``run_ranks(preload=...)``):
+# DeepSpeed's engine imports torch._dynamo and compiles Muon's decorators on first use, ~20 s of CPU per process.
+PRELOAD = [
+    "torch._dynamo", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer",
+    "deepspeed.moe.layer", "flatgrad.deepspeed",
+]  # fmt: skip
 
 
 def init_deepspeed(rank: int, world_size: int, device: str) -> None:
