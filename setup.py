@@ -1,5 +1,9 @@
 """Build flatgrad: C++ CPU kernels always; CUDA kernels when torch has CUDA and nvcc is present.
 
+Two extensions: ``flatgrad._C`` (the kernels, csrc/*.cpp and csrc/cuda/) and
+``flatgrad._census`` (the counting CPU allocator of ``flatgrad.testing.census``,
+csrc/census/), so that the production extension carries no measuring tool.
+
 ``FLATGRAD_BUILD_CUDA=0`` forces a CPU-only build and ``=1`` requires CUDA.
 ``TORCH_CUDA_ARCH_LIST`` is honoured (torch's own build helpers read it).
 """
@@ -30,7 +34,12 @@ def _want_cuda() -> bool:
     return possible
 
 
-def _extensions():
+def _census() -> CppExtension:
+    """The counting CPU allocator, a measuring tool for the tests, benches and demo."""
+    return CppExtension("flatgrad._census", sorted(glob.glob("csrc/census/*.cpp")), extra_compile_args={"cxx": ["-O3"]})
+
+
+def _kernels() -> list:
     cpp = sorted(glob.glob("csrc/*.cpp"))
     if not cpp:
         return []
@@ -59,6 +68,11 @@ def _extensions():
             extra_link_args=["-fopenmp"],
         )
     ]
+
+
+def _extensions() -> list:
+    kernels = _kernels()
+    return kernels + [_census()] if kernels else []
 
 
 setup(

@@ -60,7 +60,7 @@ def _rank(rank: int, world_size: int, key: str, options: dict) -> dict:
 
     from flatgrad.demo.setups import build_model, by_key, ds_config, make_batches
     from flatgrad.kernels import DTYPE_NAMES
-    from flatgrad.demo.train import init_deepspeed
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
 
     device = options["device"]
     cuda = device == "cuda"
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     """Train every pair's two setups in turn; the JSON document (failures recorded, never raised)."""
     import torch
 
-    from flatgrad.demo import launch
+    from flatgrad.testing import launch
 
     cuda = args.device == "cuda"
     if cuda:

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 from flatgrad.bench._harness import machine_info, machine_line
-from flatgrad.bench.memory_census import MemoryCensus
-from flatgrad.demo.launch import run_ranks
 from flatgrad.plan.memory import gradient_path_memory
+from flatgrad.testing.census import MemoryCensus
+from flatgrad.testing.launch import run_ranks
 
 _MODES = ("stock", "flatgrad")
 
@@ -78,7 +78,7 @@ def _config(
 
 def _rank(rank: int, world_size: int, job: dict) -> dict:
     """Build and train one configuration under a census; this rank's figures."""
-    from flatgrad.demo.train import init_deepspeed
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
 
     init_deepspeed(rank, world_size, job["device"])
     import deepspeed

@@ -35,7 +35,7 @@ median and min over steps.
 
 [Note: reducer memory]
 Memory per method, counted by flatgrad's counting CPU allocator
-(``flatgrad.bench.memory_census``): ``peak`` is the most tensor memory live
+(``flatgrad.testing.census``): ``peak`` is the most tensor memory live
 during a method's backward + reduction above what was live before it (the
 gradients, the buffers it touches, gloo's scratch), median over steps;
 ``held`` is what its buffers take between steps (flatgrad: the comm buffer
@@ -64,15 +64,18 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import flatgrad
 from flatgrad import comm
-from flatgrad.bench.memory_census import MemoryCensus
 from flatgrad.reducer import BucketReducer, build_buckets
+from flatgrad.testing.census import MemoryCensus
+from flatgrad.testing.collectives import CollectiveRecorder
+from flatgrad.testing.launch import run_ranks
 
 METHODS = ("backward", "flatgrad", "ddp_allreduce", "zero2_reduce")
+# The collectives timed and counted (each call once).
+_TIMED = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor")
 
 
 # --------------------------------------------------------------------------- model
@@ -131,7 +134,6 @@ class _Clock:
         self.hook = self.comm = 0.0  # wall
         self.hook_cpu = self.comm_cpu = 0.0  # this thread's CPU time
         self.pack_cpu = self.unpack_cpu = 0.0  # flatgrad's kernels, this thread's CPU time
-        self.calls = 0
 
 
 def _now() -> tuple[float, float]:
@@ -160,8 +162,7 @@ class _TimedWork:
 
 def _time_collectives(clock: _Clock) -> None:
     """Route this process's ``torch.distributed`` collectives through ``clock``."""
-    names = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor"]
-    for name in names:
+    for name in _TIMED:
         if not hasattr(dist, name):
             continue
         fn = getattr(dist, name)
@@ -173,7 +174,6 @@ def _time_collectives(clock: _Clock) -> None:
             finally:
                 clock.comm += time.perf_counter() - wall
                 clock.comm_cpu += time.thread_time() - cpu
-            clock.calls += 1
             return _TimedWork(out, clock) if out is not None else None
 
         setattr(dist, name, timed)
@@ -403,10 +403,7 @@ def _collective_methods(numel: int, world_size: int, repeats: int) -> dict:
     return times
 
 
-def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, out_queue: Any) -> None:
-    torch.set_num_threads(args.threads)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     size = dict(SIZES["quick" if args.quick else "full"])
     bucket_numel = args.bucket_numel or size.pop("bucket_numel")
     size.pop("bucket_numel", None)
@@ -416,6 +413,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = build_buckets(model, bucket_numel)
     clock = _Clock()
+    recorder = CollectiveRecorder(_TIMED, deepspeed=False).install()  # inside the timing: its cost is comm time
     _time_collectives(clock)
 
     flat = _Flatgrad(buckets)
@@ -456,6 +454,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             active[0] = method
             dist.barrier()
             clock.reset()
+            recorder.reset()
             census.reset_peak()
             before = census.now()[0]
             start = time.perf_counter()
@@ -472,7 +471,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 rec["comm"].append(clock.comm)
                 rec["pack_cpu"].append(clock.pack_cpu)
                 rec["unpack_cpu"].append(clock.unpack_cpu)
-                rec["calls"].append(clock.calls)
+                rec["calls"].append(len(recorder.calls))
                 rec["peak_bytes"].append(peak)
                 rec["held_bytes"].append(method.held_bytes())
             method.after_step(params)
@@ -488,18 +487,10 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         "method": flat.reducer._buckets[0].method,
         "threads": torch.get_num_threads(),
     }
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (records, meta, collectives))
-    if rank == 0:
-        out_queue.put(
-            dict(
-                records=[g[0] for g in gathered], meta=[g[1] for g in gathered], collectives=[g[2] for g in gathered],
-                num_params=sum(p.numel() for p in params), buckets=[sum(p.numel() for p in b) for b in buckets],
-                size=dict(size, batch=batch, bucket_numel=bucket_numel),
-            )
-        )  # fmt: skip
-    dist.barrier()
-    dist.destroy_process_group()
+    return dict(
+        records=records, meta=meta, collectives=collectives, num_params=sum(p.numel() for p in params),
+        buckets=[sum(p.numel() for p in b) for b in buckets], size=dict(size, batch=batch, bucket_numel=bucket_numel),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- summary
@@ -623,22 +614,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from flatgrad.bench._harness import machine_info, machine_line
 
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.world_size, store.port, args, queue), daemon=True)
-        for r in range(args.world_size)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        run = queue.get(timeout=3600)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    per_rank = run_ranks(
+        _rank_main, args.world_size, args, timeout=3600, pg_timeout=timedelta(seconds=300), threads=args.threads
+    )
+    run = dict(per_rank[0], **{key: [r[key] for r in per_rank] for key in ("records", "meta", "collectives")})
     info = machine_info()
     meta = run["meta"][0]
     result = dict(

@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default="reduction_error", help="path prefix of the .json")
     args = parser.parse_args()
-    from flatgrad.demo.launch import run_ranks
+    from flatgrad.testing.launch import run_ranks
 
     result = run_ranks(_rank, args.ranks, args.batches, args.bucket, args.modes.split(","), timeout=3600)[0]
     for name, row in result.items():

@@ -190,7 +190,7 @@ def main() -> None:
         _combine(args.combine)
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from flatgrad.demo.launch import run_ranks
+    from flatgrad.testing.launch import run_ranks
 
     modes = args.modes.split(",")
     started = time.time()

@@ -29,7 +29,6 @@ and to stock at the same G. Also run as ``python bench/zero_step.py
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -39,9 +38,13 @@ from typing import Any
 import torch
 
 from flatgrad.bench._harness import machine_info, machine_line
-from flatgrad.demo.launch import run_ranks
+from flatgrad.testing.collectives import CollectiveRecorder
+from flatgrad.testing.launch import run_ranks
 
 _SETUPS = ("stock", "flatgrad")
+# The collectives step() may issue, counted once each at deepspeed.comm or torch.distributed.
+_COUNTED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast",
+            "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "reduce")  # fmt: skip
 
 
 class _Deep(torch.nn.Module):
@@ -58,11 +61,10 @@ class _Deep(torch.nn.Module):
 
 
 def _rank(rank: int, world_size: int, job: dict) -> dict:
-    from flatgrad.demo.train import init_deepspeed
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
 
     init_deepspeed(rank, world_size, "cpu")
     import deepspeed
-    import deepspeed.comm as ds_comm
 
     import flatgrad.deepspeed as flatgrad_ds
 
@@ -73,47 +75,8 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
                for _ in range(job["warmup"] + job["steps"])]  # fmt: skip
     import torch.distributed as torch_dist
 
-    # Collectives, counted once each at deepspeed.comm (DeepSpeed's) or torch.distributed (flatgrad's).
-    barrier = torch_dist.barrier  # kept before the counters wrap anything
-    counted: list[str] = []
-    depth = [0]
-    names = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast",
-             "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "reduce")  # fmt: skip
-    originals = {(m, n): getattr(m, n) for m in (ds_comm, torch_dist) for n in names if hasattr(m, n)}
-
-    def counting(name: str, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if depth[0] == 0:
-                counted.append(name)
-            depth[0] += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        return wrapper
-
-    coalescing = torch_dist._coalescing_manager
-
-    @contextlib.contextmanager
-    def coalesced(*args: Any, **kwargs: Any) -> Any:
-        # A coalesced group is one launch: counted once, the calls recorded inside it not at all.
-        if depth[0] == 0:
-            counted.append("_coalescing_manager")
-        depth[0] += 1
-        try:
-            with coalescing(*args, **kwargs) as manager:
-                yield manager
-        finally:
-            depth[0] -= 1
-
-    from flatgrad import comm
-
-    flatgrad_gather = comm.all_gather_into_tensor_coalesced  # one coalesced launch, issued in one call
-    for (module, name), fn in originals.items():
-        setattr(module, name, counting(name, fn))
-    torch_dist._coalescing_manager = coalesced
-    comm.all_gather_into_tensor_coalesced = counting("all_gather_into_tensor_coalesced", flatgrad_gather)
+    barrier = torch_dist.barrier  # kept before the recorder wraps anything
+    recorder = CollectiveRecorder(_COUNTED).install()
     out: dict[str, Any] = {}
     engines: dict[str, Any] = {}
     try:
@@ -146,7 +109,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
                 t0 = time.perf_counter()
                 loss = engine(x, y)
                 engine.backward(loss)
-                counted.clear()
+                recorder.reset()
                 barrier()  # the step alone: not the ranks' skew out of backward, which its first collective absorbs
                 t1, c1 = time.perf_counter(), time.thread_time()
                 engine.step()
@@ -155,16 +118,13 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
                     out[key]["step_s"].append(t2 - t1)
                     out[key]["step_cpu_s"].append(c2 - c1)
                     out[key]["total_s"].append(t2 - t0)
-                    out[key]["calls"].append(len(counted))
+                    out[key]["calls"].append(len(recorder.calls))
         for entry in out.values():
             entry["step_calls"] = max(entry.pop("calls"))
     finally:
         for engine in engines.values():
             engine.destroy()
-        for (module, name), fn in originals.items():
-            setattr(module, name, fn)
-        torch_dist._coalescing_manager = coalescing
-        comm.all_gather_into_tensor_coalesced = flatgrad_gather
+        recorder.uninstall()
     return out
 
 

@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -44,12 +43,6 @@ from typing import Any, Callable
 _PREFIX = "_DeepSpeedZeroOptimizer_Stage3__"
 _SEAMS = ("add_grad_to_ipg_bucket", "reduce_and_partition_ipg_grads")
 _ENGINES = ("stock", "flatgrad")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(hidden: int, layers: int):
@@ -186,32 +179,17 @@ def _instrument(engine, probe: _Probe) -> None:
         setattr(opt, name, probe.wrap_seam(getattr(opt, name), seam.startswith("reduce")))
 
 
-def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    try:
-        queue.put((rank, _run_rank(rank, world_size, args)))
-    except BaseException:  # noqa: BLE001 - the traceback travels to the parent
-        import traceback
-
-        queue.put((rank, {"error": traceback.format_exc()}))
-
-
 def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
-    import logging
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
 
-    import torch
-
-    torch.set_num_threads(args.threads)
+    init_deepspeed(rank, world_size, "cpu")
     import deepspeed
     import deepspeed.comm
+    import torch
 
     import flatgrad.comm
     import flatgrad.deepspeed
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     from flatgrad.kernels import DTYPE_NAMES
 
     dtype = DTYPE_NAMES[args.dtype]
@@ -296,31 +274,6 @@ def _backend_name(engine) -> str:
     return resolve_backend(reducer.config.backend, torch.device("cpu")).name
 
 
-def _launch(args: argparse.Namespace) -> list[dict]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.world_size, port, args, queue), daemon=True)
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    try:
-        while len(results) < args.world_size:
-            rank, payload = queue.get(timeout=args.timeout)
-            if "error" in payload:
-                raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(args.world_size)]
-
-
 def summarize(results: list[dict]) -> dict:
     """Per engine: median over steps of the slowest rank's times; rank 0's traffic; ratios flatgrad / stock."""
     out: dict[str, Any] = {"params": results[0]["params"], "backend": results[0]["backend"],
@@ -400,9 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"/tmp/flatgrad_tx_{os.getuid()}")
-    results = _launch(args)
-    summary = summarize(results)
     from flatgrad.bench._harness import machine_info, machine_line
+    from flatgrad.testing.launch import run_ranks
+
+    results = run_ranks(_run_rank, args.world_size, args, timeout=args.timeout, threads=args.threads)
+    summary = summarize(results)
 
     info = machine_info()
     print(machine_line(info))

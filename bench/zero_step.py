@@ -37,11 +37,13 @@ Measured per step, on every rank (``time.perf_counter``; CPU figures with
 * ``calls``: gradient collectives issued during backward, per step (a call on a
   one-rank group counts: stock issues those for MoE experts at 4 ranks);
   ``step calls``: collectives issued by ``step()`` (gradient norm, overflow
-  check, parameter all_gather), counted at ``deepspeed.comm``.
-* ``MB/rank``: bytes each rank sends for those collectives, modelled for
-  bandwidth-optimal (ring) algorithms on the call's group of W ranks: a
-  reduce_scatter of N elements sends (W-1)/W N, an all_reduce 2 (W-1)/W N, a
-  reduce of n elements about n (reduce-scatter, then a gather to the root).
+  check, parameter all_gather), counted at ``deepspeed.comm`` (a coalesced
+  group once; ``flatgrad.testing.collectives``).
+* ``MB/rank``: bytes each rank sends for those collectives, by ``flatgrad plan``'s
+  model of bandwidth-optimal (ring) algorithms on the call's group of W ranks
+  (``flatgrad.testing.collectives.sent_bytes``): a reduce_scatter of N elements
+  sends (W-1)/W N, an all_reduce 2 (W-1)/W N, a reduce of n elements n when
+  rooted at another rank, nothing when rooted here.
 
 Figures are the median and the min over the timed steps; ratios are to
 ``stock`` in the same run. The last line per model gives the largest relative
@@ -59,17 +61,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
-import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flatgrad.testing.collectives import CollectiveRecorder
 
 SETUPS = ("stock", "stock_reduce", "flatgrad")
+# The collectives counted and timed, at deepspeed.comm and torch.distributed.
 _COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
                 "all_to_all_single", "broadcast")  # fmt: skip
-_GRADIENT_OPS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+_GRADIENT_OPS = ("all_reduce", "reduce", "reduce_scatter")
 
 
 # --------------------------------------------------------------------------- models
@@ -132,17 +136,14 @@ _MODELS = {"moe": _seed_moe, "transformer": _transformer}
 
 
 class _Probe:
-    """Times the reduction seams and the collectives inside them; counts collectives by phase."""
+    """Times the reduction seams and the collectives inside them."""
 
     def __init__(self) -> None:
-        self.phase = "other"
-        self.setup = ""
         self.in_seam = 0
         self.reset()
 
     def reset(self) -> None:
         self.seam_wall = self.seam_cpu = self.coll_wall = self.coll_cpu = 0.0
-        self.calls: dict[str, list[tuple[str, int, int]]] = {"backward": [], "step": [], "forward": [], "other": []}
 
     def timed(self, fn, *, seam: bool = False, collective: bool = False):
         probe = self
@@ -180,40 +181,24 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def _install_collective_probe(probe: _Probe) -> None:
-    """Count and time collectives at ``deepspeed.comm`` and ``torch.distributed``, each call once.
+def _time_collectives(probe: _Probe) -> None:
+    """Time collectives at ``deepspeed.comm`` and ``torch.distributed``, each call once, at the outer layer.
 
     DeepSpeed's communication backend keeps its own references to some torch
     functions (its all_gather), so the outer ``deepspeed.comm`` layer is wrapped
-    too; a call that passes through both counts once, at the outer layer.
+    too. The ``Work`` of an async call times its waiting as collective time.
     """
     import deepspeed.comm as ds_comm
-    import torch
     import torch.distributed as dist
 
     depth = [0]
 
-    def wrap(name, fn):
+    def wrap(fn):
         timed = probe.timed(fn, collective=True)
 
         def collective(*args, **kwargs):
             if depth[0]:
                 return fn(*args, **kwargs)
-            values = list(args) + list(kwargs.values())
-            group = kwargs.get("group")
-            if group is None:
-                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-            tensors = [a for a in values if isinstance(a, torch.Tensor)]
-            lists = [a for a in values if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-            if name == "reduce_scatter" and lists:
-                nbytes = sum(t.numel() * t.element_size() for t in lists[0])
-            elif name == "reduce_scatter_tensor" and len(tensors) >= 2:
-                nbytes = tensors[1].numel() * tensors[1].element_size()
-            elif tensors:
-                nbytes = max(t.numel() * t.element_size() for t in tensors)
-            else:
-                nbytes = 0
-            probe.calls[probe.phase].append((name, nbytes, dist.get_world_size(group)))
             depth[0] += 1
             try:
                 result = timed(*args, **kwargs)
@@ -227,27 +212,12 @@ def _install_collective_probe(probe: _Probe) -> None:
         for name in _COLLECTIVES:
             fn = getattr(module, name, None)
             if fn is not None:
-                setattr(module, name, wrap(name, fn))
+                setattr(module, name, wrap(fn))
 
 
 def _install_seam_probe(optimizer: Any, probe: _Probe) -> None:
     for name in ("process_gradients", "independent_gradient_partition_epilogue"):
         setattr(optimizer, name, probe.timed(getattr(optimizer, name), seam=True))
-
-
-def _sent_bytes(calls: list[tuple[str, int, int]]) -> float:
-    """Ring-model bytes this rank sends for the gradient collectives in ``calls``."""
-    sent = 0.0
-    for name, nbytes, world in calls:
-        if world <= 1 or name not in _GRADIENT_OPS:
-            continue
-        if name == "all_reduce":
-            sent += 2 * (world - 1) / world * nbytes
-        elif name == "reduce":
-            sent += nbytes
-        else:
-            sent += (world - 1) / world * nbytes
-    return sent
 
 
 # --------------------------------------------------------------------------- ranks
@@ -273,12 +243,15 @@ def _config(setup: str, args: argparse.Namespace, bucket: int, world_size: int) 
     return cfg
 
 
-def _run_model(rank: int, world_size: int, model_name: str, args: argparse.Namespace, probe: _Probe) -> dict:
+def _run_model(
+    rank: int, world_size: int, model_name: str, args: argparse.Namespace, probe: _Probe, recorder: CollectiveRecorder
+) -> dict:
     import deepspeed
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
 
     import flatgrad.deepspeed as fds
+    from flatgrad.testing.collectives import sent_bytes
 
     bucket = args.moe_bucket if model_name == "moe" else args.transformer_bucket
     engines, batch_fn, n_params = {}, None, 0
@@ -300,20 +273,21 @@ def _run_model(rank: int, world_size: int, model_name: str, args: argparse.Names
         for setup in order:
             engine = engines[setup]
             probe.reset()
-            probe.phase = "forward"
+            recorder.reset()
+            recorder.phase = "forward"
             loss = engine(x, y)
-            probe.phase = "backward"
+            recorder.phase = "backward"
             t0 = time.perf_counter()
             engine.backward(loss)
             backward = time.perf_counter() - t0
             own_wall, own_cpu = probe.seam_wall - probe.coll_wall, probe.seam_cpu - probe.coll_cpu
-            probe.phase = "step"
+            recorder.phase = "step"
             t0 = time.perf_counter()
             engine.step()
             step_time = time.perf_counter() - t0
-            probe.phase = "other"
+            recorder.phase = "other"
             if step >= args.warmup:
-                grad_calls = [c for c in probe.calls["backward"] if c[0] in _GRADIENT_OPS]
+                grad_calls = [c for c in recorder.calls if c.phase == "backward" and c.op in _GRADIENT_OPS]
                 rows[setup].append(
                     {
                         "backward": backward,
@@ -321,9 +295,9 @@ def _run_model(rank: int, world_size: int, model_name: str, args: argparse.Names
                         "own": own_wall,
                         "own_cpu": own_cpu,
                         "calls": len(grad_calls),
-                        "calls_by_op": {op: sum(1 for c in grad_calls if c[0] == op) for op in _GRADIENT_OPS},
-                        "sent": _sent_bytes(grad_calls),
-                        "step_calls": len(probe.calls["step"]),
+                        "calls_by_op": {op: sum(1 for c in grad_calls if c.op == op) for op in _GRADIENT_OPS},
+                        "sent": sum(sent_bytes(c, rank) for c in grad_calls),
+                        "step_calls": sum(1 for c in recorder.calls if c.phase == "step"),
                     }
                 )
     stock = {n: safe_get_full_fp32_param(p) for n, p in engines["stock"].module.named_parameters()}
@@ -332,58 +306,15 @@ def _run_model(rank: int, world_size: int, model_name: str, args: argparse.Names
     return {"rows": rows, "n_params": n_params, "sub_groups": sub_groups, "max_rel": max_rel, "bucket": bucket}
 
 
-def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-    )  # fmt: skip
-    try:
-        import logging
+def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
+    from flatgrad.testing.collectives import CollectiveRecorder
 
-        import torch
-
-        torch.set_num_threads(args.threads)
-        import deepspeed
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.utils.logger.setLevel(logging.WARNING)
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-        probe = _Probe()
-        _install_collective_probe(probe)
-        out = {name: _run_model(rank, world_size, name, args, probe) for name in args.models}
-        queue.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 - the traceback travels to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-
-
-def _launch(args: argparse.Namespace) -> list[dict]:
-    import multiprocessing as mp
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.world_size, port, args, queue), daemon=True)
-        for r in range(args.world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(results) < args.world_size:
-            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(args.world_size)]
+    init_deepspeed(rank, world_size, "cpu")
+    probe = _Probe()
+    recorder = CollectiveRecorder(_COLLECTIVES).install()
+    _time_collectives(probe)
+    return {name: _run_model(rank, world_size, name, args, probe, recorder) for name in args.models}
 
 
 # --------------------------------------------------------------------------- report
@@ -500,9 +431,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the seed MoE model needs a world size that is a multiple of 4 (ep_size 4)")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from flatgrad.bench._harness import load_average, machine_info, machine_line
+    from flatgrad.testing.launch import run_ranks
 
     info = machine_info()
-    per_rank = _launch(args)
+    per_rank = run_ranks(_rank, args.world_size, args, timeout=args.timeout, threads=args.threads)
     info["load_average_1min_end"] = load_average()
     summary = {model: summarize(per_rank, model) for model in args.models}
     print(machine_line(info))

@@ -8,19 +8,21 @@ is a module-level function ``fn(rank, world_size, *args)``; its return value
 
 from __future__ import annotations
 
-import contextlib
-
 import os
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable, Self
+from typing import Any, Callable
 
-import _dist
 import torch
+
+from flatgrad.testing.collectives import CollectiveRecorder
+from flatgrad.testing.deepspeed_rank import PRELOAD as DEEPSPEED_PRELOAD
+from flatgrad.testing.deepspeed_rank import init_deepspeed
+from flatgrad.testing.launch import PRELOAD, run_ranks
 
 __all__ = [
     "MLP",
-    "CollectiveCounter",
+    "COUNTED",
     "SeedMoE",
     "count_collectives",
     "ds_config",
@@ -32,45 +34,28 @@ __all__ = [
 
 # --------------------------------------------------------------------------- launching
 
-# DeepSpeed's engine imports torch._dynamo and compiles Muon's decorators on
-# first use: ~20 s of CPU per process. The ranks of ``_dist.run_ranks`` fork
-# from one forkserver, so preloading these there pays that once per session.
-_DS_PRELOAD = [
-    "torch._dynamo",
-    "deepspeed",
-    "deepspeed.runtime.engine",
-    "deepspeed.runtime.zero.muon.muon_optimizer",
-    "deepspeed.moe.layer",
-]
-for _name in _DS_PRELOAD:
-    if _name not in _dist.PRELOAD:
-        _dist.PRELOAD.append(_name)
+# The ranks fork from one forkserver: DeepSpeed imported there once is paid once per session.
+for _name in DEEPSPEED_PRELOAD:
+    if _name not in PRELOAD:
+        PRELOAD.append(_name)
 
 
 def _ds_rank(rank: int, world_size: int, fn: Callable, args: tuple) -> Any:
     """A rank's DeepSpeed setup (CPU accelerator, no shm op, ``deepspeed.comm`` over the group), then ``fn``."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu",
-    )  # fmt: skip
-    import logging
-
+    init_deepspeed(rank, world_size, "cpu")
     import deepspeed
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed refuses fp16 on the CPU accelerator unless oneDNN has fp16 kernels; torch's CPU
     # kernels compute fp16 correctly (slowly), which is all these tests need to exercise loss scaling.
     accelerator = deepspeed.accelerator.get_accelerator()
     accelerator.is_fp16_supported = lambda: True
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     return fn(rank, world_size, *args)
 
 
 def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list:
     """Run ``fn(rank, world_size, *args)`` with DeepSpeed on ``world_size`` real gloo ranks; results by rank."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return _dist.run_ranks(
+    return run_ranks(
         _ds_rank, world_size, fn, args, timeout=timeout, pg_timeout=timedelta(seconds=max(60.0, timeout))
     )
 
@@ -195,7 +180,7 @@ def train(
     engine,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     dtype: torch.dtype | None = None,
-    backward_counter: CollectiveCounter | None = None,
+    backward_counter: CollectiveRecorder | None = None,
 ) -> list[float]:
     """One forward/backward/step per micro-batch; returns the losses (floats).
 
@@ -224,109 +209,16 @@ def params_of(engine) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- counting collectives
 
 
-class CollectiveCounter:
-    """Counts collective calls in this rank process, each call once.
-
-    DeepSpeed's own collectives are counted at ``deepspeed.comm`` (DeepSpeed
-    keeps its own references to torch's functions); flatgrad's, which use
-    ``torch.distributed`` directly, at ``torch.distributed``. A call through
-    ``deepspeed.comm`` that reaches ``torch.distributed`` counts once, under
-    the outer name; a coalesced group (``torch.distributed._coalescing_manager``)
-    counts once, as ``_coalescing_manager``, and flatgrad's coalesced gather
-    (``flatgrad.comm.all_gather_into_tensor_coalesced``) once under its name. ``calls[name]`` lists
-    ``(numel, dtype)`` per call.
-    """
-
-    NAMES = (
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "all_reduce",
-        "reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_single",
-        "all_to_all_single",
-        "broadcast",
-        "all_reduce_coalesced",
-    )
-
-    def __init__(self):
-        self.calls: dict[str, list[tuple[int, torch.dtype | None]]] = {}
-        self._saved: list[tuple[Any, str, Any]] = []
-        self._depth = 0
-
-    def __enter__(self) -> Self:
-        import deepspeed.comm as ds_comm
-        import torch.distributed as torch_dist
-
-        for module in (ds_comm, torch_dist):
-            for name in self.NAMES:
-                fn = getattr(module, name, None)
-                if fn is None:
-                    continue
-                self._saved.append((module, name, fn))
-                setattr(module, name, self._wrap(name, fn))
-        self._saved.append((torch_dist, "_coalescing_manager", torch_dist._coalescing_manager))
-        torch_dist._coalescing_manager = self._coalesced(torch_dist._coalescing_manager)
-        from flatgrad import comm
-
-        name = "all_gather_into_tensor_coalesced"
-        self._saved.append((comm, name, getattr(comm, name)))
-        setattr(comm, name, self._wrap(name, getattr(comm, name)))
-        return self
-
-    def _coalesced(self, manager: Callable) -> Callable:
-        """A coalesced group is one launch: counted once as ``_coalescing_manager``, the calls in it not at all."""
-
-        @contextlib.contextmanager
-        def counted(*args, **kwargs):
-            if self._depth == 0:
-                self.calls.setdefault("_coalescing_manager", []).append((0, None))
-            self._depth += 1
-            try:
-                with manager(*args, **kwargs) as cm:
-                    yield cm
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    def _wrap(self, name: str, fn: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
-            if self._depth == 0:
-                values = list(args) + list(kwargs.values())
-                tensors = [a for a in values if isinstance(a, torch.Tensor)]
-                lists = [a for a in values if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-                if lists:  # list forms: count the list (the input of reduce_scatter, the output of all_gather)
-                    numel, dtype = sum(t.numel() for t in lists[-1]), lists[-1][0].dtype
-                elif tensors:
-                    numel, dtype = max(t.numel() for t in tensors), tensors[0].dtype
-                else:
-                    numel, dtype = 0, None
-                self.calls.setdefault(name, []).append((numel, dtype))
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return wrapper
-
-    def __exit__(self, *exc) -> None:
-        for module, name, fn in reversed(self._saved):
-            setattr(module, name, fn)
-        self._saved.clear()
-
-    def count(self, name: str) -> int:
-        return len(self.calls.get(name, []))
-
-    def reset(self) -> None:
-        self.calls.clear()
+# The entry points the DeepSpeed tests count, at deepspeed.comm and torch.distributed.
+COUNTED = (
+    "reduce_scatter", "reduce_scatter_tensor", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "all_to_all_single", "broadcast", "all_reduce_coalesced",
+)  # fmt: skip
 
 
-def count_collectives() -> CollectiveCounter:
-    """A context manager counting ``deepspeed.comm`` collectives in this rank process."""
-    return CollectiveCounter()
+def count_collectives(extra: Sequence[str] = ()) -> CollectiveRecorder:
+    """A recorder of the ``COUNTED`` collectives (and ``extra``) DeepSpeed and flatgrad call in this rank process."""
+    return CollectiveRecorder(COUNTED + tuple(extra))
 
 
 # --------------------------------------------------------------------------- reads of the gradient partitions

@@ -10,8 +10,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _dist import RankError, count_collectives, run_ranks
 from flatgrad import comm
+from flatgrad.testing.collectives import count_collectives
+from flatgrad.testing.launch import RankError, run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SHARD = 5

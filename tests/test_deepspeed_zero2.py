@@ -189,7 +189,7 @@ def _equivalence_rank(rank, world_size, cases):
                 "reductions": reduction.reductions if reduction is not None else 0,
                 "reduce_scatters": counter.count("reduce_scatter"),
                 "gradient_collectives": sum(
-                    1 for name in ("all_reduce", "reduce") for n, _ in counter.calls.get(name, []) if n > 1
+                    1 for name in ("all_reduce", "reduce") for n, _ in counter.buffers().get(name, []) if n > 1
                 ),
             }
             result[kind] = (losses, params_of(engine), len(engine.optimizer.bit16_groups), used)
@@ -454,10 +454,10 @@ def _collectives_rank(rank, world_size, stage, gas):
                 loss = engine(x, y)
                 counter.reset()
                 engine.backward(loss)
-                per_backward.append({k: list(v) for k, v in counter.calls.items()})
+                per_backward.append({k: list(v) for k, v in counter.buffers().items()})
                 counter.reset()
                 engine.step()
-                per_step.append({k: list(v) for k, v in counter.calls.items()})
+                per_step.append({k: list(v) for k, v in counter.buffers().items()})
         out[kind] = (per_backward, len(engine.optimizer.bit16_groups), per_step)
     return out
 
@@ -595,7 +595,7 @@ def _memory_rank(rank, world_size, stage, dtype):
 
     Also whether flatgrad's fp32 partitions exist inside an accumulation window and are gone after step().
     """
-    from flatgrad.bench.memory_census import MemoryCensus
+    from flatgrad.testing.census import MemoryCensus
 
     batches = make_batches(rank, 4, 2, 64, 64)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -728,12 +728,12 @@ def _stats_rank(rank, world_size, moe, clip):
                 with PartitionReads(partitions) as recorder, count_collectives() as counter:
                     engine.step()
                 reads.append(recorder.ops)
-                step_calls.append({op: len(v) for op, v in counter.calls.items()})
+                step_calls.append({op: len(v) for op, v in counter.buffers().items()})
             else:
                 with count_collectives() as counter:
                     engine.step()
                 if k % 2 == 1:
-                    step_calls.append({op: len(v) for op, v in counter.calls.items()})
+                    step_calls.append({op: len(v) for op, v in counter.buffers().items()})
             if k % 2 == 1:
                 global_norms.append(float(engine.optimizer._global_grad_norm))
         multi_rank = 0
@@ -1060,7 +1060,7 @@ def _moe_rank(rank, world_size, steps):
                 loss = engine(x, y)
                 counter.reset()
                 engine.backward(loss)
-                calls.append({k: list(v) for k, v in counter.calls.items()})
+                calls.append({k: list(v) for k, v in counter.buffers().items()})
                 counter.reset()
                 if i == 0:
                     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}

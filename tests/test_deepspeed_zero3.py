@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _ds import MLP, REDUCTIONS, CollectiveCounter, PartitionReads, ds_config, launch, make_batches
+from _ds import MLP, REDUCTIONS, PartitionReads, count_collectives, ds_config, launch, make_batches
+from flatgrad.testing.collectives import CollectiveRecorder
 
 D_IN, HIDDEN, D_OUT = 13, 37, 5
 MICRO_BATCH = 2
@@ -265,33 +266,36 @@ def test_overflow_skips_the_step_like_stock() -> None:
 # --------------------------------------------------------------------------- collectives
 
 
-class _Counter(CollectiveCounter):
-    """Also counts the ``deepspeed.comm`` wrappers ZeRO-3 calls (they reach torch through DeepSpeed's own
-    references) and ``torch.distributed.reduce_scatter_single`` (what ``flatgrad.comm`` calls on torch >= 2.13)."""
+# Also the ``deepspeed.comm`` wrappers ZeRO-3 calls (they reach torch through DeepSpeed's own references) and
+# ``torch.distributed.reduce_scatter_single`` (what ``flatgrad.comm`` calls on torch >= 2.13).
+_ZERO3_EXTRA = ("reduce_scatter_fn", "allgather_fn", "all_gather_coalesced", "reduce_scatter_single")
+# DeepSpeed's wrappers, named after what they call.
+_SAME = {
+    "reduce_scatter_fn": "reduce_scatter_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "allgather_fn": "all_gather_into_tensor",
+}
 
-    NAMES = CollectiveCounter.NAMES + ("reduce_scatter_fn", "allgather_fn", "all_gather_coalesced",
-                                       "reduce_scatter_single")
-    SAME = {
-        "reduce_scatter_fn": "reduce_scatter_tensor",
-        "reduce_scatter_single": "reduce_scatter_tensor",
-        "allgather_fn": "all_gather_into_tensor",
-    }
 
-    def by_kind(self) -> dict[str, list[tuple[int, str]]]:
-        """``{collective: [(numel, dtype), ...]}`` with DeepSpeed's wrappers named after what they call."""
-        out: dict[str, list[tuple[int, str]]] = {}
-        for name, calls in self.calls.items():
-            out.setdefault(self.SAME.get(name, name), []).extend((n, str(d)) for n, d in calls)
-        return out
+def _counter() -> CollectiveRecorder:
+    return count_collectives(_ZERO3_EXTRA)
+
+
+def _by_kind(counter: CollectiveRecorder) -> dict[str, list[tuple[int, str]]]:
+    """``{collective: [(numel, dtype), ...]}`` with DeepSpeed's wrappers named after what they call."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    for name, calls in counter.buffers().items():
+        out.setdefault(_SAME.get(name, name), []).extend(calls)
+    return out
 
 
 def _collectives(rank: int, world_size: int, options: dict, flat_options: dict) -> dict:
     out = {}
     for flat in (False, True):
-        with _Counter() as counter:
+        with _counter() as counter:
             engine = _engine(rank, world_size, flat, "fp32", **(dict(options, **flat_options) if flat else options))
             _train(engine, rank, "fp32", make_batches(rank, STEPS * GAS, MICRO_BATCH, D_IN, D_OUT))
-        out[flat] = counter.by_kind()
+        out[flat] = _by_kind(counter)
         engine.destroy()
     return out
 
@@ -326,7 +330,7 @@ def test_same_collectives_as_stock(case: str) -> None:
             count = len(reduce_scatters)
             assert count == per_backward * STEPS * GAS, f"rank {rank}: {count} reduce_scatters"
         mine, theirs = flat.pop("all_reduce"), stock.pop("all_reduce")
-        assert mine == [(2, "torch.float32")] * STEPS and len(theirs) >= STEPS, (rank, mine, theirs)
+        assert mine == [(2, "float32")] * STEPS and len(theirs) >= STEPS, (rank, mine, theirs)
         assert flat == stock, f"rank {rank}: collectives differ from stock"
 
 
@@ -350,12 +354,12 @@ def _norm_rank(rank: int, world_size: int, dtype: str, options: dict) -> dict:
             boundary = engine.is_gradient_accumulation_boundary()
             if boundary and flat:
                 served.append(opt.flatgrad_zero3._stats_usable())
-            with PartitionReads([opt.grad_partitions_flat_buffer]) as recorder, _Counter() as counter:
+            with PartitionReads([opt.grad_partitions_flat_buffer]) as recorder, _counter() as counter:
                 engine.step()
             if boundary:
                 norms.append(float(engine.get_global_grad_norm()))
                 reads.append(recorder.ops)
-                reduces.append(len(counter.calls.get("all_reduce", [])))
+                reduces.append(len(counter.buffers().get("all_reduce", [])))
                 skipped.append(engine.skipped_steps)
         out[flat] = {
             "norms": norms, "served": served, "reads": reads, "reduces": reduces, "skipped": skipped,

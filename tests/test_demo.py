@@ -13,8 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from flatgrad import cli
-from flatgrad.demo import launch, report
+from flatgrad.demo import report
 from flatgrad.demo.setups import SETUPS, by_key
+from flatgrad.testing import launch
 
 pytestmark = pytest.mark.multiproc
 
@@ -272,7 +273,7 @@ def _recorded(rank: int, world_size: int) -> list:
     import deepspeed.comm as ds_comm
 
     from flatgrad import comm
-    from flatgrad.demo.measure import CollectiveRecorder
+    from flatgrad.testing.collectives import CollectiveRecorder
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build (docs/design.md)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
@@ -297,9 +298,9 @@ def _recorded(rank: int, world_size: int) -> list:
 def test_recorder_counts_each_call_once_with_its_group_and_destination():
     results = launch.run_ranks(_recorded, 3, timeout=80)
     for rank, calls in enumerate(results):
-        expected = [("backward", "all_reduce", 5, "float32", (0, 1, 2), None)]
+        expected = [("backward", "all_reduce", 5, "float32", (0, 1, 2), None, "all_reduce")]
         if rank in (1, 2):
-            expected.append(("backward", "reduce", 7, "float32", (1, 2), 2))
-        expected.append(("backward", "reduce_scatter", 9, "float32", (0, 1, 2), None))
-        expected.append(("step", "all_gather", 18, "float32", (0, 1, 2), None))
+            expected.append(("backward", "reduce", 7, "float32", (1, 2), 2, "reduce"))
+        expected.append(("backward", "reduce_scatter", 9, "float32", (0, 1, 2), None, "reduce_scatter"))
+        expected.append(("step", "all_gather", 18, "float32", (0, 1, 2), None, "all_gather_into_tensor_coalesced"))
         assert calls == expected, (rank, calls)

@@ -1,4 +1,4 @@
-"""tests/_dist.py, the multi-rank launcher: results by rank, failures with tracebacks, no leftovers."""
+"""flatgrad.testing.launch, the multi-rank launcher: results by rank, failures with tracebacks, no leftovers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import EXITED, RankError, run_ranks
+from flatgrad.testing.launch import EXITED, RankError, run_ranks
 
 
 def _sum_ranks(rank: int, world_size: int, offset: int) -> tuple:

@@ -20,11 +20,12 @@ _LAYERS = [
     ("comm",),
     ("reducer",),
     ("integrations", "deepspeed"),
-    ("plan", "bench", "demo", "cli", "__main__"),
+    ("plan", "bench", "demo", "testing", "cli", "__main__"),
 ]
 
 
-_EXTENSION = ("flatgrad", "_C")  # the compiled extension module, which the kernels load
+# The compiled extension modules: the kernels load ``_C``, the memory census ``_census``.
+_EXTENSIONS = {("flatgrad", "_C"), ("flatgrad", "_census")}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -81,7 +82,7 @@ def _graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
             edges[name].add(target)
             home, theirs = name.split(".")[:2], target.split(".")[:2]
             for n in names:
-                if n.startswith("_") and not n.startswith("__") and home != theirs and (target, n) != _EXTENSION:
+                if n.startswith("_") and not n.startswith("__") and home != theirs and (target, n) not in _EXTENSIONS:
                     private.append((name, target, n))
     return edges, private
 

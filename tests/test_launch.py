@@ -1,4 +1,4 @@
-"""flatgrad.demo.launch: ranks import the parent's flatgrad, whatever the working directory."""
+"""flatgrad.testing.launch: ranks import the parent's flatgrad, whatever the working directory."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ _DRIVER = textwrap.dedent(
     import json
 
     import flatgrad
-    from flatgrad.demo.launch import run_ranks
+    from flatgrad.testing.launch import run_ranks
 
 
     def _where(rank, world_size):

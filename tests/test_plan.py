@@ -15,7 +15,6 @@ and the command.
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 
 import pytest
@@ -27,82 +26,20 @@ import _ds
 from flatgrad.plan import models
 from flatgrad.plan.flatgrad_schedule import flatgrad_zero2, flatgrad_zero3
 from flatgrad.plan.stock import partitions, stock_zero2, stock_zero3
+from flatgrad.testing.collectives import Call, CollectiveRecorder
 
 # --------------------------------------------------------------------------- tracing real runs
 
-# Collective entry points recorded; the outermost call counts (deepspeed.comm -> torch.distributed is one call).
-_DS_NAMES = ("reduce", "all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
-             "all_to_all_single", "all_to_all", "broadcast", "all_reduce_coalesced", "barrier")
-_TORCH_NAMES = _DS_NAMES + ("reduce_scatter_single", "_reduce_scatter_base", "_all_gather_base", "all_gather_single")
-_REDUCTIONS = {"reduce": "reduce", "all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
-               "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-               "_reduce_scatter_base": "reduce_scatter"}  # fmt: skip
+# Collective entry points recorded (see [Note: counting collectives]); the outermost call counts.
+_TRACED = ("reduce", "all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
+           "all_to_all_single", "all_to_all", "broadcast", "all_reduce_coalesced", "barrier", "reduce_scatter_single",
+           "_reduce_scatter_base", "_all_gather_base", "all_gather_single")  # fmt: skip
+_REDUCTION_OPS = ("reduce", "all_reduce", "reduce_scatter")
 
 
-class _Tracer:
-    """Records ``(op, numel, dtype, dst, group ranks)`` of every collective called in the block, in order."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self._saved: list[tuple] = []
-        self._depth = 0
-
-    def __enter__(self) -> "_Tracer":
-        import deepspeed.comm as ds_package
-        import deepspeed.comm.comm as ds_module
-        import torch.distributed as torch_dist
-
-        for module, names in ((ds_package, _DS_NAMES), (ds_module, _DS_NAMES), (torch_dist, _TORCH_NAMES)):
-            for name in names:
-                fn = getattr(module, name, None)
-                if fn is not None:
-                    self._saved.append((module, name, fn))
-                    setattr(module, name, self._wrap(name, fn))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for module, name, fn in reversed(self._saved):
-            setattr(module, name, fn)
-
-    def _wrap(self, name: str, fn):
-        signature = inspect.signature(_undecorated(fn))
-
-        @functools.wraps(fn)
-        def traced(*args, **kwargs):
-            if self._depth == 0:
-                self.calls.append(self._record(name, signature.bind(*args, **kwargs).arguments))
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return traced
-
-    @staticmethod
-    def _record(name: str, arguments: dict) -> tuple:
-        import torch.distributed as dist
-
-        buffers = []
-        for value in arguments.values():
-            if isinstance(value, torch.Tensor):
-                buffers.append((value.numel(), value.dtype))
-            elif isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value):
-                buffers.append((sum(t.numel() for t in value), value[0].dtype))
-        numel, dtype = max(buffers, key=lambda b: b[0]) if buffers else (0, None)
-        group = arguments.get("group")
-        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-        dst = arguments.get("dst")
-        return (_REDUCTIONS.get(name, name), numel, str(dtype).replace("torch.", ""), dst, ranks)
-
-
-def _undecorated(fn):
-    """The function under DeepSpeed's ``timed_op``, which keeps it in a closure rather than ``__wrapped__``."""
-    if fn.__name__ == "log_wrapper":
-        for cell in fn.__closure__ or ():
-            if inspect.isfunction(cell.cell_contents):
-                return cell.cell_contents
-    return inspect.unwrap(fn)
+def _key(call: Call) -> tuple:
+    """``(op, numel, dtype, dst, group ranks)``: a reduction by its op, any other collective by its entry point."""
+    return (call.op if call.op in _REDUCTION_OPS else call.name, call.numel, call.dtype, call.dst, call.group)
 
 
 def _batch(model: torch.nn.Module, rank: int) -> tuple:
@@ -157,14 +94,14 @@ def _real_trace(
     try:
         engine, *_ = initialize(model=model, model_parameters=list(model.parameters()), config=config)
         loss = engine(*_batch(model, rank))
-        with _Tracer() as tracer:
+        with CollectiveRecorder(_TRACED) as tracer:
             engine.backward(loss)
         engine.destroy()
     finally:
         # ZeRO-3 replaces torch.nn.functional.linear for the rest of the process (memory_efficient_linear),
         # which would give later ZeRO-2 cases ZeRO-3's hook order; each case starts from a clean process state.
         torch.nn.functional.linear = linear
-    return tracer.calls
+    return [_key(c) for c in tracer.calls]
 
 
 CASES = (  # (model, stage, use_multi_rank_bucket_allreduce, flatgrad, dtype, other zero_optimization keys)

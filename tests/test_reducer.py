@@ -21,9 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from _dist import EXITED, count_collectives, run_ranks
 from flatgrad import comm
 from flatgrad.reducer import BucketReducer, LayoutMismatchError, build_buckets
+from flatgrad.testing.collectives import count_collectives
+from flatgrad.testing.launch import EXITED, run_ranks
 
 BATCH = 2
 
@@ -573,7 +574,7 @@ def test_comm_pool_holds_every_bucket_and_reduce_scatters_in_place():
 
 def _lifetime_rank(rank: int, world_size: int) -> dict:
     """Shard bytes are allocated by the first micro-step and released by zero_grad(), measured by a census."""
-    from flatgrad.bench.memory_census import MemoryCensus
+    from flatgrad.testing.census import MemoryCensus
 
     model = _IntNet()
     reducer = BucketReducer(build_buckets(model, 24))

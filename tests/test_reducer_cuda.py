@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 import flatgrad
-from _dist import run_ranks
 from flatgrad.reducer import BucketReducer, build_buckets
+from flatgrad.testing.launch import run_ranks
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 _STATUS = flatgrad.available_backends()

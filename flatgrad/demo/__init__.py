@@ -1,12 +1,10 @@
 """``flatgrad demo``: the seed thread's MoE model trained under stock DeepSpeed and flatgrad, side by side.
 
-* ``launch``: W real processes in one process group; a failing rank's
-  traceback reaches the parent, and no rank outlives the run (the multi-rank
-  tests use the same launcher through ``tests/_dist.py``).
+Its ranks run under ``flatgrad.testing.launch`` and record their collectives with
+``flatgrad.testing.collectives``, the tools the multi-rank tests and benches use.
+
 * ``setups``: the rows (stock / flatgrad, ZeRO-2 / ZeRO-3), their DeepSpeed
   configs, models (from ``flatgrad.plan.models``) and batches.
-* ``measure``: every collective recorded at ``deepspeed.comm`` and
-  ``torch.distributed``, and the bytes a rank sends.
 * ``train``: one rank's body: build the engines, train them in turns, measure.
 * ``report``: the figures, the text table, the PNG chart.
 * ``command``: the ``flatgrad demo`` subcommand.

@@ -33,12 +33,6 @@ __all__ = ["add_arguments", "run_from_args", "choose_device"]
 
 _EP_SIZE = 4  # the seed model's expert-parallel size: the world size must be a multiple of it
 
-# Modules the ranks' forkserver imports once, so that W ranks do not each import DeepSpeed.
-_PRELOAD = [
-    "torch._dynamo", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer",
-    "deepspeed.moe.layer", "flatgrad.deepspeed", "flatgrad.demo.train",
-]  # fmt: skip
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` options."""
@@ -164,7 +158,7 @@ def _check_plot_path(args: argparse.Namespace) -> bool:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run ``flatgrad demo``; returns the exit status (2 on bad input, 1 when a rank fails)."""
-    from . import launch
+    from ..testing import deepspeed_rank, launch
     from .train import Options, rank_main
 
     started = time.perf_counter()
@@ -210,7 +204,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             backend=backend,
             threads=threads,
             start_method="spawn" if device == "cuda" else "forkserver",
-            preload=launch.PRELOAD + _PRELOAD,
+            preload=launch.PRELOAD + deepspeed_rank.PRELOAD + ["flatgrad.demo.train"],
             on_message=progress,
         )  # fmt: skip
     except launch.RankError as exc:

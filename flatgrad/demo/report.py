@@ -10,7 +10,7 @@
 * ``step_collectives``: every collective the optimizer step issues (norms,
   overflow checks, the parameter all_gather), per step (the most of any rank and step).
 * ``sent_mb_per_rank``: MB (1e6 bytes) a rank sends for one backward's
-  gradient reductions, by ``measure.sent_bytes``; mean over ranks (a reduce's
+  gradient reductions, by ``flatgrad.testing.collectives.sent_bytes``; mean over ranks (a reduce's
   root sends nothing).
 * Times: per step the slowest rank (a step ends when the last rank is done),
   then median and min over the timed steps, which leave out the first (it
@@ -30,7 +30,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Sequence
 
-from .measure import REDUCTION_OPS, Call, sent_bytes
+from ..testing.collectives import REDUCTION_OPS, Call, sent_bytes
 from .setups import DENSE, Setup
 
 __all__ = ["summarize", "footnotes", "text_table", "plot"]

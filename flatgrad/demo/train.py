@@ -10,7 +10,7 @@ from the step, so the MoE gate's random token selection is the same for all.
 Per setup and step this rank measures wall times (forward, backward =
 autograd + DeepSpeed's hooks + the gradient reduction + its epilogue, the
 optimizer step, and the whole step), the loss, every collective call (see
-``measure``), and memory. Rank 0 reports progress to the parent with ``send_message``.
+``flatgrad.testing.collectives``), and memory. Rank 0 reports progress to the parent with ``send_message``.
 
 [Note: demo memory]
 The engines of a stage are alive together while they are timed, so one
@@ -25,20 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import logging
 import os
 import time
 from typing import Any
 
 import torch
 
-from ..bench.memory_census import MemoryCensus
 from ..kernels import DTYPE_NAMES
-from .launch import send_message
-from .measure import CollectiveRecorder
+from ..testing.census import MemoryCensus
+from ..testing.collectives import CollectiveRecorder
+from ..testing.deepspeed_rank import init_deepspeed
+from ..testing.launch import send_message
 from .setups import DENSE, SEED_MODEL, Setup, build_model, ds_config, make_batches
 
-__all__ = ["Options", "init_deepspeed", "rank_main"]
+__all__ = ["Options", "rank_main"]
 
 _WIDTH = 1000  # the seed model's hidden size, and the dense model's
 
@@ -80,24 +80,6 @@ def _redirect_output(log_dir: str | None, rank: int) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-
-
-def init_deepspeed(rank: int, world_size: int, device: str) -> None:
-    """DeepSpeed over the group the launcher made: accelerator, no JIT shm op, quiet logs."""
-    # One node: the launcher gave rank r GPU r % device_count. DeepSpeed reads these; it finds the
-    # process group already made, so MASTER_PORT is never used to connect.
-    local_rank = rank % torch.cuda.device_count() if device == "cuda" else rank
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
-    )  # fmt: skip
-    if device == "cpu":
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
 
 
 def _inject_failure(rank: int) -> None:

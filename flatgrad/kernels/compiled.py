@@ -69,8 +69,8 @@ def _register_fakes() -> None:
         return shard.new_empty((2,) if stats else (0,), dtype=torch.float32)
 
 
-def _missing_extension(exc: ImportError) -> str:
-    """Why ``flatgrad._C`` did not import: which flatgrad this is, and what to run."""
+def missing_extension(module: str, exc: ImportError) -> str:
+    """Why the compiled extension ``module`` (``flatgrad._C``, ``flatgrad._census``) did not import, and what to run."""
     import flatgrad
 
     package = os.path.dirname(os.path.abspath(flatgrad.__file__))
@@ -83,7 +83,7 @@ def _missing_extension(exc: ImportError) -> str:
         )
     else:
         fix = "reinstall with `pip install --no-build-isolation flatgrad` against the torch installed now"
-    return f"the compiled extension flatgrad._C did not import from {package} ({exc}); {fix}"
+    return f"the compiled extension {module} did not import from {package} ({exc}); {fix}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +92,7 @@ def _load() -> str:
     try:
         from .. import _C  # noqa: F401  (registers torch.ops.flatgrad)
     except ImportError as exc:
-        return _missing_extension(exc)
+        return missing_extension("flatgrad._C", exc)
     _register_fakes()
     return ""
 

@@ -5,7 +5,8 @@
 * CPU: torch keeps no allocator statistics for the CPU, and the profiler's
   memory events miss every free made on another thread (gloo frees its
   reduce_scatter scratch tensors on its worker threads), so the census installs
-  flatgrad's counting CPU allocator (``csrc/cpu_memory.cpp``): it wraps torch's
+  flatgrad's counting CPU allocator (``flatgrad._census``, built from
+  ``csrc/census/cpu_memory.cpp`` apart from the kernels' ``flatgrad._C``): it wraps torch's
   and counts every allocation and free, on any thread, in two atomics. It
   costs an atomic add per allocation, so timings taken under it stay honest.
 
@@ -20,8 +21,11 @@ allocates nothing), and those are counted.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
+
+from ..kernels.compiled import missing_extension
 
 __all__ = ["MemoryCensus", "cpu_memory_available"]
 
@@ -29,19 +33,17 @@ __all__ = ["MemoryCensus", "cpu_memory_available"]
 @functools.lru_cache(maxsize=None)
 def cpu_memory_available() -> str:
     """An empty string if the counting CPU allocator can be installed, else why not."""
-    from ..kernels import compiled
-
-    missing = compiled._load()
-    if missing:
-        return missing
-    if not hasattr(torch.ops.flatgrad, "cpu_memory_stats"):
-        return "flatgrad._C predates the counting CPU allocator; reinstall flatgrad"
+    try:
+        from .. import _census  # noqa: F401
+    except ImportError as exc:
+        return missing_extension("flatgrad._census", exc)
     return ""
 
 
-def _cpu_stats() -> tuple[int, int]:
-    allocated, peak = torch.ops.flatgrad.cpu_memory_stats()
-    return int(allocated), int(peak)
+def _allocator() -> Any:
+    from .. import _census
+
+    return _census
 
 
 class MemoryCensus:
@@ -84,7 +86,8 @@ class MemoryCensus:
         if self.device == "cuda":
             torch.cuda.synchronize()
             return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
-        return _cpu_stats()
+        allocated, peak = _allocator().stats()
+        return int(allocated), int(peak)
 
     def reset_peak(self) -> None:
         """Start the peak afresh from what is live now."""
@@ -92,11 +95,11 @@ class MemoryCensus:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            torch.ops.flatgrad.cpu_memory_reset_peak()
+            _allocator().reset_peak()
 
     def __enter__(self) -> "MemoryCensus":
         if self.device == "cpu":
-            torch.ops.flatgrad.cpu_memory_install()
+            _allocator().install()
         self.reset_peak()
         self._base = self._raw()[0]
         return self

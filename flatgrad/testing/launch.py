@@ -1,4 +1,4 @@
-"""Run a function on W real processes joined in one process group, for ``flatgrad demo`` and the multi-rank tests.
+"""Run a function on W real processes joined in one process group: the multi-rank tests, the benches, ``flatgrad demo``.
 
 Usage::
 
@@ -125,7 +125,7 @@ def _check_same_flatgrad(parent_file: str) -> None:
     if mine != parent_file:
         raise ImportError(
             f"this rank imported flatgrad from {mine}, but the process that started it uses {parent_file}; "
-            "start it with the parent's sys.path (flatgrad.demo.launch.run_ranks does)"
+            "start it with the parent's sys.path (flatgrad.testing.launch.run_ranks does)"
         )
 
 

@@ -1,4 +1,5 @@
-// Counting CPU allocator: the bytes of tensor memory a process holds, now and at the peak.
+// The Python module flatgrad._census: a counting CPU allocator, the bytes of tensor
+// memory a process holds, now and at the peak.
 //
 // torch keeps allocator statistics for CUDA (torch.cuda.memory_allocated /
 // max_memory_allocated) but none for the CPU, and the profiler's memory events
@@ -7,14 +8,15 @@
 // CPU come from this allocator: once installed it wraps torch's CPU allocator,
 // and every allocation and free, on any thread, updates two atomics.
 // Memory allocated before installation is freed through its original deleter
-// and never counted.
+// and never counted. It is a measuring tool, so it is its own extension and
+// not part of flatgrad._C.
 //
-// Ops (no tensors, so they are registered for every dispatch key):
-//   flatgrad::cpu_memory_install() -> ()        idempotent
-//   flatgrad::cpu_memory_stats() -> int[]       [allocated, peak] in bytes
-//   flatgrad::cpu_memory_reset_peak() -> ()     peak := allocated
+// Functions (import torch first: this module links against c10):
+//   install() -> None                idempotent
+//   stats() -> (allocated, peak)     bytes
+//   reset_peak() -> None             peak := allocated
 
-#include <torch/library.h>
+#include <Python.h>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -23,7 +25,6 @@
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
-#include <vector>
 
 namespace flatgrad {
 namespace {
@@ -113,19 +114,38 @@ void install() {
   });
 }
 
-std::vector<int64_t> stats() {
-  return {g_allocated.load(std::memory_order_relaxed), g_peak.load(std::memory_order_relaxed)};
-}
-
 void reset_peak() {
   g_peak.store(g_allocated.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
+PyObject* py_install(PyObject* /*self*/, PyObject* /*args*/) {
+  install();
+  Py_RETURN_NONE;
+}
+
+PyObject* py_stats(PyObject* /*self*/, PyObject* /*args*/) {
+  return Py_BuildValue("(LL)", static_cast<long long>(g_allocated.load(std::memory_order_relaxed)),
+                       static_cast<long long>(g_peak.load(std::memory_order_relaxed)));
+}
+
+PyObject* py_reset_peak(PyObject* /*self*/, PyObject* /*args*/) {
+  reset_peak();
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"install", py_install, METH_NOARGS, "install() -> None: count every CPU allocation from now on (idempotent)"},
+    {"stats", py_stats, METH_NOARGS, "stats() -> (allocated, peak): bytes live now and at the peak"},
+    {"reset_peak", py_reset_peak, METH_NOARGS, "reset_peak() -> None: the peak starts again from what is live"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 }  // namespace
 }  // namespace flatgrad
 
-TORCH_LIBRARY_FRAGMENT(flatgrad, m) {
-  m.def("cpu_memory_install() -> ()", &flatgrad::install);
-  m.def("cpu_memory_stats() -> int[]", &flatgrad::stats);
-  m.def("cpu_memory_reset_peak() -> ()", &flatgrad::reset_peak);
+extern "C" PyMODINIT_FUNC PyInit__census(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_census",
+                                      "flatgrad's counting CPU allocator (flatgrad.testing.census)", -1,
+                                      flatgrad::methods};
+  return PyModule_Create(&module);
 }

@@ -1,36 +1,19 @@
-"""Inside a demo rank: every collective call recorded where DeepSpeed and flatgrad issue it, and per-rank bytes.
+"""Record every collective a rank process issues: entry point, op, buffer, group, destination, phase.
 
-[Note: counting collectives]
-DeepSpeed keeps its own references to torch's functions and calls them
-through ``deepspeed.comm``; flatgrad calls ``torch.distributed`` directly. The
-recorder therefore wraps the entry points of both modules and records only the
-outermost call, so a ``deepspeed.comm.reduce`` that reaches
-``torch.distributed.reduce`` is one call, and ZeRO-3's ``reduce_scatter_fn`` ->
-``reduce_scatter_tensor`` -> ``reduce_scatter_single`` chain is one call too.
-Every call is recorded with the phase it happened in (``forward``,
-``backward``, ``step``; set by the trainer), its op (DeepSpeed's wrapper names
-folded onto the torch op they issue), the elements of its buffer (a
-reduce_scatter's whole input, an all_gather's whole output), its dtype, the
-global ranks of its group, and a reduce's destination. A coalesced group
-(``torch.distributed._coalescing_manager``) is one launch: recorded once, with
-the op and group of the calls in it and the sum of their elements; so is
-flatgrad's ``comm.all_gather_into_tensor_coalesced`` (the ZeRO-1/2 step's
-parameter all_gathers), which issues a coalesced group in one call. A call on a one-rank
-group is a call (stock ZeRO-2 issues those for MoE experts when every expert
-group has one rank); it sends no bytes. flatgrad's reduction modes move a
-bucket with ``flatgrad.comm.all_to_all``; the ``all_to_all_single`` it issues
-(none on a one-rank group, where it copies) is recorded as
-``grad_all_to_all``, a gradient reduction, unlike the all_to_alls of an MoE
-layer's dispatch and combine.
+One recorder for the demo, the benches and the tests. It wraps the entry
+points of ``deepspeed.comm`` and ``torch.distributed`` (DeepSpeed keeps its own
+references to torch's functions; flatgrad calls torch directly) and flatgrad's
+comm layer, and records only the outermost call; a coalesced group is one
+launch. See [Note: counting collectives] in docs/design.md.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,18 +21,19 @@ import torch.distributed as dist
 from ..plan.cost import DEFAULT
 from ..plan.schedule import Collective
 
-__all__ = ["Call", "CollectiveRecorder", "REDUCTION_OPS", "sent_bytes"]
+__all__ = [
+    "Call", "CollectiveRecorder", "count_collectives", "sent_bytes", "ENTRY_POINTS", "TORCH_COLLECTIVES",
+    "REDUCTION_OPS",
+]  # fmt: skip
 
 # Gradient reductions, the calls the demo compares; everything else is recorded for the JSON only.
 # ``grad_all_to_all`` is flatgrad's all_to_all of a reduction mode (``flatgrad.comm.all_to_all``), told
 # apart from other all_to_alls (an MoE layer's dispatch runs one in backward too).
 REDUCTION_OPS = ("reduce", "all_reduce", "reduce_scatter", "grad_all_to_all")
 
-# Entry points of flatgrad's own comm layer that relabel the collective they issue (none on a one-rank group).
-_FLATGRAD_OPS = {"all_to_all": "grad_all_to_all"}
-
-# Entry point -> the op it issues. ``deepspeed.comm`` and ``torch.distributed`` share most names.
-_OPS = {
+# Entry point -> the op it issues, the recorder's default entry points. ``deepspeed.comm`` and
+# ``torch.distributed`` share most names; an entry point missing here is recorded under its own name as op.
+ENTRY_POINTS = {
     "reduce": "reduce",
     "all_reduce": "all_reduce",
     "all_reduce_coalesced": "all_reduce",
@@ -70,6 +54,22 @@ _OPS = {
     "barrier": "barrier",
 }
 
+# Every collective entry point of torch.distributed, for counting all of them (``count_collectives``).
+TORCH_COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "_reduce_scatter_base", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "_all_gather_base", "all_gather_object", "all_gather_coalesced", "broadcast",
+    "broadcast_object_list", "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter",
+    "scatter_object_list", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv",
+)  # fmt: skip
+
+# Entry points of flatgrad's own comm layer that relabel the collective they issue (none on a one-rank group).
+_FLATGRAD_OPS = {"all_to_all": "grad_all_to_all"}
+
+_COALESCED = "_coalescing_manager"
+_FLATGRAD_GATHER = "all_gather_into_tensor_coalesced"
+
 
 class Call(NamedTuple):
     """One recorded collective call (see [Note: counting collectives])."""
@@ -80,6 +80,7 @@ class Call(NamedTuple):
     dtype: str
     group: tuple[int, ...]
     dst: int | None
+    name: str = ""
 
 
 def _buffer(values: list[Any]) -> tuple[int, str]:
@@ -94,55 +95,103 @@ def _buffer(values: list[Any]) -> tuple[int, str]:
     return largest.numel(), str(largest.dtype).replace("torch.", "")
 
 
-@dataclasses.dataclass
 class CollectiveRecorder:
-    """Records the collectives of this rank process while installed; the trainer sets ``phase``.
+    """Records the collectives of this rank process while installed (or inside ``with``).
+
+    Args:
+        names: the entry points to wrap (default ``ENTRY_POINTS``), in ``torch.distributed``
+            and, with ``deepspeed``, in ``deepspeed.comm`` and ``deepspeed.comm.comm``; flatgrad's
+            comm layer is always seen.
+        deepspeed: wrap DeepSpeed's comm modules too, if they import.
 
     Attributes:
         phase: the label the next calls are recorded under.
-        calls: the calls recorded since the last ``take()``.
+        calls: the calls recorded since the last ``take()`` or ``reset()``.
+        counts: how many calls each entry point made, over the same span.
     """
 
-    phase: str = "other"
-    calls: list[Call] = dataclasses.field(default_factory=list)
-    _saved: list[tuple[Any, str, Any]] = dataclasses.field(default_factory=list)
-    _depth: int = 0
-    _pending: list | None = None
-    _groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    _batch: list[Call] | None = None  # the calls of an open coalesced group
-    _label: str | None = None
+    def __init__(self, names: Iterable[str] | None = None, *, deepspeed: bool = True) -> None:
+        self.names = tuple(ENTRY_POINTS if names is None else names)
+        self.deepspeed = deepspeed
+        self.phase = "other"
+        self.calls: list[Call] = []
+        self.counts: collections.Counter = collections.Counter()
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._depth = 0
+        self._pending: list | None = None
+        self._groups: dict[int, tuple[int, ...]] = {}
+        self._batch: list[Call] | None = None  # the calls of an open coalesced group
+        self._label: str | None = None
 
     def install(self) -> "CollectiveRecorder":
-        """Wrap the collective entry points of ``deepspeed.comm`` (if importable) and ``torch.distributed``."""
+        """Wrap the entry points; ``uninstall`` puts them back."""
         modules: list[Any] = [dist]
-        try:
-            import deepspeed.comm as ds_comm
-
-            modules.insert(0, ds_comm)
-        except ImportError:
-            pass
+        if self.deepspeed:
+            try:
+                import deepspeed.comm as ds_comm
+                import deepspeed.comm.comm as ds_module
+            except ImportError:
+                pass
+            else:
+                # The package re-exports the module's functions; DeepSpeed calls both, and the module's
+                # own chains (reduce_scatter_fn -> reduce_scatter_tensor) reach torch through references
+                # DeepSpeed keeps, so both are wrapped.
+                modules[:0] = [ds_comm, ds_module]
         for module in modules:
-            for name, op in _OPS.items():
+            for name in self.names:
                 fn = getattr(module, name, None)
                 if callable(fn):
-                    self._saved.append((module, name, fn))
-                    setattr(module, name, self._wrap(op, fn))
-        self._saved.append((dist, "_coalescing_manager", dist._coalescing_manager))
-        dist._coalescing_manager = self._wrap_coalescing(dist._coalescing_manager)
+                    self._replace(module, name, self._wrap(name, ENTRY_POINTS.get(name, name), fn))
+        self._replace(dist, _COALESCED, self._wrap_coalescing(dist._coalescing_manager))
         from .. import comm  # the reducer calls comm.all_to_all through the module: wrapping the attribute is seen
 
         for name, op in _FLATGRAD_OPS.items():
-            fn = getattr(comm, name)
-            self._saved.append((comm, name, fn))
-            setattr(comm, name, self._relabel(op, fn))
-        fn = comm.all_gather_into_tensor_coalesced
-        self._saved.append((comm, "all_gather_into_tensor_coalesced", fn))
-        comm.all_gather_into_tensor_coalesced = self._wrap("all_gather", fn, outputs_first=True)
+            self._replace(comm, name, self._relabel(op, getattr(comm, name)))
+        gather = comm.all_gather_into_tensor_coalesced
+        self._replace(comm, _FLATGRAD_GATHER, self._wrap(_FLATGRAD_GATHER, "all_gather", gather, outputs_first=True))
         return self
+
+    def uninstall(self) -> None:
+        """Put the original functions back."""
+        for module, name, fn in reversed(self._saved):
+            setattr(module, name, fn)
+        self._saved.clear()
+
+    def __enter__(self) -> "CollectiveRecorder":
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def take(self) -> list[Call]:
+        """The calls recorded so far; the record starts empty again."""
+        calls = self.calls
+        self.reset()
+        return calls
+
+    def reset(self) -> None:
+        """Forget the calls and counts recorded so far."""
+        self.calls = []
+        self.counts = collections.Counter()
+
+    def count(self, name: str) -> int:
+        """Calls made to the entry point ``name``."""
+        return self.counts[name]
+
+    def buffers(self) -> dict[str, list[tuple[int, str]]]:
+        """``(numel, dtype)`` of every recorded call, by entry point, in the order they were first called."""
+        out: dict[str, list[tuple[int, str]]] = {}
+        for call in self.calls:
+            out.setdefault(call.name, []).append((call.numel, call.dtype))
+        return out
+
+    def _replace(self, module: Any, name: str, wrapper: Callable) -> None:
+        self._saved.append((module, name, getattr(module, name)))
+        setattr(module, name, wrapper)
 
     def _wrap_coalescing(self, manager: Callable) -> Callable:
         @contextlib.contextmanager
-        def coalesced(*args: Any, **kwargs: Any) -> Any:
+        def coalesced(*args: Any, **kwargs: Any) -> Iterator[Any]:
             outer = self._depth == 0 and self._batch is None
             if outer:
                 self._batch = []
@@ -152,24 +201,17 @@ class CollectiveRecorder:
             finally:
                 if outer:
                     batch, self._batch = self._batch, None
-                    if batch:
-                        self.calls.append(batch[0]._replace(numel=sum(c.numel for c in batch)))
+                    first = batch[0] if batch else Call(self.phase, "", 0, "", (), None)
+                    self._record(first._replace(numel=sum(c.numel for c in batch), name=_COALESCED))
 
         return coalesced
 
     def _record(self, call: Call) -> None:
-        (self.calls if self._batch is None else self._batch).append(call)
-
-    def uninstall(self) -> None:
-        """Put the original functions back."""
-        for module, name, fn in reversed(self._saved):
-            setattr(module, name, fn)
-        self._saved.clear()
-
-    def take(self) -> list[Call]:
-        """The calls recorded so far; the record starts empty again."""
-        calls, self.calls = self.calls, []
-        return calls
+        if self._batch is not None:
+            self._batch.append(call)
+            return
+        self.calls.append(call)
+        self.counts[call.name] += 1
 
     def _group_ranks(self, group: Any) -> tuple[int, ...]:
         if group is None:
@@ -179,7 +221,7 @@ class CollectiveRecorder:
             ranks = self._groups[id(group)] = tuple(dist.get_process_group_ranks(group))
         return ranks
 
-    def _wrap(self, op: str, fn: Callable, outputs_first: bool = False) -> Callable:
+    def _wrap(self, name: str, op: str, fn: Callable, outputs_first: bool = False) -> Callable:
         """``outputs_first``: the call's first argument is its list of outputs, the buffer recorded."""
         signature = _signature_with_group(fn)
 
@@ -187,7 +229,7 @@ class CollectiveRecorder:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:
                 numel, dtype = _buffer([args[0]] if outputs_first else list(args) + list(kwargs.values()))
-                self._pending = [self._label or op, numel, dtype, None, None]
+                self._pending = [self._label or op, numel, dtype, None, None, name]
             if self._pending is not None and signature is not None:
                 self._resolve(signature, args, kwargs)
             self._depth += 1
@@ -251,6 +293,19 @@ def _signature_with_group(fn: Callable) -> inspect.Signature | None:
         if "group" in signature.parameters:
             return signature
     return None
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[collections.Counter]:
+    """Count the calls to every ``torch.distributed`` collective made in the block, by entry point.
+
+    The counter follows [Note: counting collectives]: outermost calls only, a
+    coalesced group once as ``_coalescing_manager``, flatgrad's coalesced gather
+    once as ``all_gather_into_tensor_coalesced``. Use inside a rank: the wrappers
+    patch this process's modules and are removed on exit.
+    """
+    with CollectiveRecorder(TORCH_COLLECTIVES, deepspeed=False) as recorder:
+        yield recorder.counts
 
 
 def sent_bytes(call: Call, rank: int) -> float:
