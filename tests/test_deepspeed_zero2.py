@@ -712,7 +712,7 @@ def _stats_rank(rank, world_size, moe, clip):
             reduction = getattr(engine.optimizer, "_flatgrad", None)
             if reduction is not None and engine.is_gradient_accumulation_boundary():
                 from_stats = reduction.scaled_global_norm()
-                reduction._step_stats = None
+                reduction._window.forget()
                 squared = reduction._squared_norms_from_partitions().sqrt()
                 from deepspeed.runtime.utils import combine_grad_norm_groups
 
@@ -723,7 +723,7 @@ def _stats_rank(rank, world_size, moe, clip):
                         squared[indices] = scaled
                 from_partitions = combine_grad_norm_groups(list(squared.unbind()), norm_type=2)
                 norms.append((float(from_stats), float(from_partitions)))
-                reduction._step_stats = None
+                reduction._window.forget()
                 partitions = [p.flat_partition for p in reduction.partitions]
                 with PartitionReads(partitions) as recorder, count_collectives() as counter:
                     engine.step()

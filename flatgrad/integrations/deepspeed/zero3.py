@@ -82,6 +82,7 @@ from ...layout import Layout
 from ...reducer import Bucket, DividedReduceScatter, ReduceScatter
 from .collectives import deepspeed_collectives
 from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version
+from .step_stats import StepStats
 
 __all__ = ["install", "Zero3Reducer"]
 
@@ -130,12 +131,11 @@ class Zero3Reducer:
         self.stats = _BackwardStats()
         self._trainable = frozenset(p.ds_id for g in optimizer.fp16_groups for p in g if p.requires_grad)
         self._covers: dict[tuple, bool] = {}
-        self._reduced: torch.Tensor | None = None
+        self._window = StepStats()
         self._stock_get_norm_groups = optimizer._get_norm_groups
         self._stock_has_overflow = optimizer.has_overflow
         self._stock_step = optimizer.step
         self._stock_zero_grad = optimizer.zero_grad
-        self._stats_stale = False
 
     def describe(self) -> str:
         """The take-over line: stage, sub-groups, buckets, reduction method."""
@@ -307,7 +307,7 @@ class Zero3Reducer:
         opt = self.optimizer
         if opt.model_parallel_group is not None or getattr(opt, "use_muon", False) or self.stats.keys is None:
             return False
-        if self._stats_stale:
+        if self._window.stale:
             return False
         keys = tuple(self.stats.keys)
         usable = self._covers.get(keys)
@@ -326,16 +326,16 @@ class Zero3Reducer:
 
     def _reduced_stats(self) -> torch.Tensor:
         """``[sum_sq, nonfinite]`` of the last backward's unpacks, summed over the ranks: one all_reduce per step."""
-        if self._reduced is None:
-            opt = self.optimizer
+        opt, dist = self.optimizer, self._dist
+
+        def build() -> torch.Tensor:
             device = torch.device(self._accelerator.current_device_name())
             if not self._accelerator.resolves_data_dependency():
                 self._accelerator.current_stream().wait_stream(opt.reduce_and_partition_stream)
-            total = self.stats.total.to(device) if self.stats.total is not None else torch.zeros(2, device=device)
-            group = self.compositions[self.stats.keys[0]].group
-            self._dist.all_reduce(total, op=self._dist.ReduceOp.SUM, group=group)
-            self._reduced = total
-        return self._reduced
+            return self.stats.total.to(device) if self.stats.total is not None else torch.zeros(2, device=device)
+
+        group = self.compositions[self.stats.keys[0]].group
+        return self._window.reduced(build, lambda total: dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group))
 
     def get_norm_groups(self) -> list[torch.Tensor]:
         """Replaces ``_get_norm_groups``: the norm from the unpack stats (one group), -1 when not finite."""
@@ -350,14 +350,14 @@ class Zero3Reducer:
         """Replaces ``has_overflow``: any inf/nan in any rank's partitions, from the unpack stats."""
         if not partition_gradients or not self._stats_usable():
             return self._stock_has_overflow(partition_gradients)
-        return bool(self._reduced_stats()[1].item() > 0)  # stock returns a bool too (one host sync)
+        return StepStats.overflow(self._reduced_stats()[1])
 
     def _edits_grads(self, method: Any) -> Any:
         """Wraps a DeepSpeed method that writes grad partitions (``safe_set_full_grad`` and kin): a partition
         written after its unpack is not in the unpack's stats, so this window's step reads the partitions."""
 
         def edited(*args: Any, **kwargs: Any) -> Any:
-            self._stats_stale = True
+            self._window.mark_stale()
             return method(*args, **kwargs)
 
         return edited
@@ -376,8 +376,7 @@ class Zero3Reducer:
 
     def _end_window(self) -> None:
         self.stats.reset()
-        self._reduced = None
-        self._stats_stale = False
+        self._window.reset()
 
 
 class _BackwardStats:

@@ -50,6 +50,7 @@ from ....layout import Layout
 from ..arenas import ELEMENTWISE, OptimizerArenas
 from ..collectives import deepspeed_collectives
 from ..config import FlatgradConfig, UnsupportedConfigError
+from ..step_stats import StepStats
 from .checkpoint import Zero2Checkpoints
 from .partitions import agree_on_setup, arena_positions, partition_views, verify_layout, view_plan
 from .stats import Zero2StepStats
@@ -121,9 +122,8 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
             for i, layout in enumerate(self.layouts)
         ]
         self.partitions: list[Any] | None = None
-        self._step_stats: torch.Tensor | None = None
+        self._window = StepStats()
         self._gather_plan: list[tuple[comm.AllGatherPlan, list[int]]] | None = None
-        self._stats_stale = False
         self._bit16_viewed = [False] * len(self.layouts)
         self._bit16_checks: tuple[list, list, list] | None = None
         self._bit16_copy_lists: tuple[list, list] | None = None
@@ -300,7 +300,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
                 self.partitions.append(self._buffer_group(partition_views(shard, plan), shard))
         for i, partition in enumerate(self.partitions):
             o.averaged_gradients[i] = partition
-        self._step_stats = None  # this hand-over's stats are reduced when step() first asks
+        self._window.forget()  # this hand-over's stats are reduced when step() first asks
         self._window_open = False
 
     def _handed_over(self) -> bool:
@@ -316,8 +316,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
                 if o.averaged_gradients.get(i) is partition:
                     o.averaged_gradients[i] = None
         self.partitions = None
-        self._step_stats = None
-        self._stats_stale = False
+        self._window.reset()
         for r in self.reducers:
             r.zero_grad()
 
@@ -333,7 +332,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         from ....kernels import _tables
 
         gathers = sum(plan.table_bytes for plan, _ in self._gather_plan or ())
-        step_stats = self._step_stats.nbytes if self._step_stats is not None else 0
+        step_stats = self._window.nbytes
         stock_norm = self._stock_norm.metadata_bytes() if self._stock_norm is not None else 0
         return (
             _tables.nbytes() + sum(r.metadata_bytes() for r in self.reducers) + gathers

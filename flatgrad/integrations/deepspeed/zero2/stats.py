@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..step_stats import StepStats
 from .stock_norm import StockNorm
 
 __all__ = ["Zero2StepStats"]
@@ -45,14 +46,14 @@ class Zero2StepStats:
         written into a partition after its unpack is not in the unpack's stats: this
         window's step reads the partitions, as stock does.
         """
-        self._stats_stale = True
+        self._window.mark_stale()
         self._stock_update_overflow_tracker(grad)
 
     def _stats_usable(self) -> bool:
         """Whether the unpack stats give stock's norm: no model parallelism, no pipe-replicated params, no
         gradient edited through DeepSpeed's API since the unpack."""
         o = self.optimizer
-        if self._stats_stale:
+        if self._window.stale:
             return False
         if o.mpu is not None or o.model_parallel_group is not None:
             return False
@@ -73,25 +74,27 @@ class Zero2StepStats:
         """
         import deepspeed.comm as dist
 
-        if self._step_stats is None:
-            o = self.optimizer
+        o = self.optimizer
+
+        def build() -> torch.Tensor:
             rows = [stats for reducer in self.reducers for stats in reducer.shard_stats()]
             stacked = torch.stack(rows).to(self.device).index_select(0, self._stats_order)  # [G, 2]: sum_sq, nonfinite
             nonfinite = stacked[:, 1].sum().reshape(1)
             if self._clips_as_stock():  # fp64 sums of stock's partitions instead: see [Note: stock clipping norm]
                 partitions = [p.flat_partition for p in self.partitions]
-                total = torch.cat([self._stock_norm_plan().partial_sums(partitions), nonfinite.double()])
-            else:
-                total = torch.cat([stacked[:, 0], nonfinite])
+                return torch.cat([self._stock_norm_plan().partial_sums(partitions), nonfinite.double()])
+            return torch.cat([stacked[:, 0], nonfinite])
+
+        def all_reduce(total: torch.Tensor) -> None:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=o.dp_process_group)
-            self._step_stats = total
-        return self._step_stats
+
+        return self._window.reduced(build, all_reduce)
 
     def has_overflow(self, partition_gradients: bool = True) -> bool:
         """Replaces ``has_overflow``: any inf/nan in any rank's partitions, from the unpack stats."""
         if not self._stats_usable() or self.partitions is None:
             return self._stock_has_overflow(partition_gradients)
-        return bool(self._reduced_stats()[-1].item() > 0)  # stock returns a bool too (one host sync)
+        return StepStats.overflow(self._reduced_stats()[-1])
 
     def scaled_global_norm(self, norm_type: float = 2) -> torch.Tensor:
         """Replaces ``scaled_global_norm``: stock's gradient norm from the unpack stats, one all_reduce in all.
