@@ -24,7 +24,7 @@ largest ZeRO-1/2 sub-group (or ZeRO-3 bucket) and ``c`` the comm dtype's bytes:
 
 The last table projects the gradient path's memory (what differs between
 stock and flatgrad; model states and activations are equal) to a 7B model at 8,
-64 and 1024 ranks, bf16, from the formulas of ``flatgrad.plan.memory`` (which
+64 and 1024 ranks, bf16, from the formulas of ``flatgrad.planner.memory`` (which
 ``flatgrad plan`` prints too). Example::
 
     python bench/memory.py                              # everything, about 3 minutes here
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from flatgrad.bench._harness import machine_info, machine_line
-from flatgrad.plan.memory import gradient_path_memory
+from flatgrad.planner.memory import gradient_path_memory
 from flatgrad.testing.census import MemoryCensus
 from flatgrad.testing.launch import run_ranks
 
@@ -84,7 +84,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     import deepspeed
 
     import flatgrad.deepspeed as flatgrad_ds
-    from flatgrad.plan import models
+    from flatgrad.planner import models
 
     dtype = torch.bfloat16 if job["dtype"] == "bf16" else torch.float32
     generator = torch.Generator().manual_seed(rank)

@@ -46,7 +46,7 @@ def _rank(rank: int, world_size: int, batches: int, bucket: int, modes: list[str
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import reduction_modes as rm  # the training bench's model, data and initialisation
 
-    from flatgrad.plan.models import GPT
+    from flatgrad.planner.models import GPT
     from flatgrad.reducer import BucketReducer
 
     torch.set_num_threads(1)

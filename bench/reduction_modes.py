@@ -5,7 +5,7 @@ The question: ``exact`` (bf16 wire, all_to_all, fixed-order fp32 sum) and
 baseline beside them, fp32 communication through a reduce_scatter, and a bf16
 reduce_scatter.
 
-Setup: a GPT-2-style model (``flatgrad.plan.models.GPT``, vocab 4096, d 256,
+Setup: a GPT-2-style model (``flatgrad.planner.models.GPT``, vocab 4096, d 256,
 5 layers: about 5M parameters), fp32 parameters, AdamW, ZeRO-2 through
 ``flatgrad.deepspeed.initialize`` with ``"flatgrad": {"reduction": ...}``, on
 ``--ranks`` real gloo processes (CPU). Data are fixed: each rank draws its
@@ -102,7 +102,7 @@ def _rank(
     import deepspeed
 
     import flatgrad.deepspeed as fds
-    from flatgrad.plan.models import GPT
+    from flatgrad.planner.models import GPT
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 50 s JIT build of the shm op
     deepspeed.utils.logger.setLevel(logging.WARNING)

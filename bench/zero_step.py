@@ -83,7 +83,7 @@ def _seed_moe():
     """docs/design.md "The seed model", as ``flatgrad plan`` and ``flatgrad demo`` define it."""
     import torch
 
-    from flatgrad.plan.models import SimpleMoeModel
+    from flatgrad.planner.models import SimpleMoeModel
 
     hidden = 1000
 

@@ -25,7 +25,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "pack/unpack throughput against DeepSpeed ZeRO-3, narrow().copy_, torch._chunk_cat and a copy_ roofline",
     ),
     "plan": (
-        "flatgrad.plan.command",
+        "flatgrad.planner.command",
         "per-backward collective schedules of stock DeepSpeed and flatgrad at any world size, without GPUs",
     ),
 }

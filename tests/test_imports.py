@@ -20,7 +20,7 @@ _LAYERS = [
     ("comm",),
     ("reducer",),
     ("integrations", "deepspeed"),
-    ("plan", "bench", "demo", "testing", "cli", "__main__"),
+    ("planner", "bench", "demo", "testing", "cli", "__main__"),
 ]
 
 

@@ -4,7 +4,7 @@ Its ranks run under ``flatgrad.testing.launch`` and record their collectives wit
 ``flatgrad.testing.collectives``, the tools the multi-rank tests and benches use.
 
 * ``setups``: the rows (stock / flatgrad, ZeRO-2 / ZeRO-3), their DeepSpeed
-  configs, models (from ``flatgrad.plan.models``) and batches.
+  configs, models (from ``flatgrad.planner.models``) and batches.
 * ``train``: one rank's body: build the engines, train them in turns, measure.
 * ``report``: the figures, the text table, the PNG chart.
 * ``command``: the ``flatgrad demo`` subcommand.

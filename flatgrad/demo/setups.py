@@ -3,7 +3,7 @@
 Every setup trains the same model from the same seed on the same batches;
 only the gradient reduction differs. The ``exact`` and ``int8`` rows are
 flatgrad ZeRO-2 with that reduction mode (all_to_all instead of
-reduce_scatter; ``int8`` with error feedback). Models come from ``flatgrad.plan.models``,
+reduce_scatter; ``int8`` with error feedback). Models come from ``flatgrad.planner.models``,
 the definitions ``flatgrad plan`` schedules:
 
 * ZeRO-2: ``seed-moe``, the seed thread's model (docs/design.md "The seed model"):
@@ -61,7 +61,7 @@ SETUPS: tuple[Setup, ...] = (
     Setup("flatgrad_zero3", "flatgrad ZeRO-3", 3, True, None, "stock_zero3"),
 )
 
-# (name in flatgrad.plan.models.MODELS, factory keyword arguments)
+# (name in flatgrad.planner.models.MODELS, factory keyword arguments)
 SEED_MODEL: tuple[str, dict[str, Any]] = ("seed-moe", {})
 DENSE: tuple[str, dict[str, Any]] = ("mlp", dict(d_in=1000, hidden=1000, d_out=1000, layers=4))
 
@@ -104,7 +104,7 @@ def ds_config(setup: Setup, *, world_size: int, micro_batch: int, bucket: int, d
 
 def build_model(model: tuple[str, dict[str, Any]], seed: int) -> torch.nn.Module:
     """``model`` built on the CPU from ``seed`` (every setup starts from the same weights)."""
-    from ..plan import models
+    from ..planner import models
 
     name, kwargs = model
     torch.manual_seed(seed)

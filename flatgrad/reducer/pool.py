@@ -38,10 +38,10 @@ import torch
 
 from .bucket import Bucket
 
-__all__ = ["CommPools", "PoolPlan", "arena_offsets"]
+__all__ = ["CommPools", "PoolSpec", "arena_offsets"]
 
 
-class PoolPlan(NamedTuple):
+class PoolSpec(NamedTuple):
     """One pool: its key, how many buffers, elements per buffer, dtype, and the buckets that share it."""
 
     key: tuple
@@ -59,14 +59,14 @@ class CommPools:
         members: dict[tuple[torch.device, torch.dtype | None], list[Bucket]] = {}
         for b in buckets:
             members.setdefault((b.device, b.mode.pool_dtype(b.comm_dtype)), []).append(b)
-        self.plan: list[PoolPlan] = []
+        self.pools: list[PoolSpec] = []
         for (device, dtype), group in members.items():
             count = min(comm_buffers, len(group))
             for k, b in enumerate(group):
                 b.previous = group[k - count] if k >= count else None
             for purpose, size, slot_dtype in group[0].mode.pool_slots(group, world_size):
                 key = (device, dtype) if purpose == "input" else (purpose, device, dtype)
-                self.plan.append(PoolPlan(key, count, size, slot_dtype, purpose, group))
+                self.pools.append(PoolSpec(key, count, size, slot_dtype, purpose, group))
         self.buckets = list(buckets)
         self.rank = rank
         self.world_size = world_size
@@ -75,14 +75,14 @@ class CommPools:
     @property
     def nbytes(self) -> int:
         """Bytes of every pool buffer, held from a micro-step's first launch to its ``finish()`` only."""
-        return sum(p.count * p.size * p.dtype.itemsize for p in self.plan)
+        return sum(p.count * p.size * p.dtype.itemsize for p in self.pools)
 
     def acquire(self) -> None:
         """Take the pools for this micro-step (if not taken yet) and give every bucket its views."""
         if self.taken is not None:
             return
         taken: dict[tuple, list[torch.Tensor]] = {}
-        for p in self.plan:
+        for p in self.pools:
             device = p.buckets[0].device
             pool = taken[p.key] = [torch.empty(p.size, dtype=p.dtype, device=device) for _ in range(p.count)]
             for k, b in enumerate(p.buckets):

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..plan.cost import DEFAULT
-from ..plan.schedule import Collective
+from ..planner.cost import DEFAULT
+from ..planner.schedule import Collective
 
 __all__ = [
     "Call", "CollectiveRecorder", "count_collectives", "sent_bytes", "ENTRY_POINTS", "TORCH_COLLECTIVES",
@@ -316,7 +316,7 @@ def sent_bytes(call: Call, rank: int) -> float:
     rooted at another rank, nothing for one rooted here or on a one-rank group.
     ``grad_all_to_all``: the ``p - 1`` chunks that go to other ranks, ``(p - 1) / p``
     of the buffer (the quantized wire's bytes for int8 / fp8).
-    See [Note: cost model] in ``flatgrad/plan/cost.py``.
+    See [Note: cost model] in ``flatgrad/planner/cost.py``.
     """
     if call.op not in REDUCTION_OPS:
         raise ValueError(f"sent_bytes models gradient reductions {REDUCTION_OPS}, got {call.op!r}")

@@ -80,7 +80,7 @@ def text_report(
     the bytes the simulated rank sends, padding as a share of the gradient
     elements, the modelled time of the calls in series (``cost``), and with
     ``memory`` the gradient path's bytes per rank between steps / at the peak
-    (``flatgrad.plan.memory``).
+    (``flatgrad.planner.memory``).
     """
     lines = [
         f"flatgrad plan: {spec.name}, {spec.numel:,} trainable parameters, backward order {spec.order_source}",
@@ -117,7 +117,7 @@ def text_report(
     if memory:
         lines.append(
             "grad mem: the gradient path's bytes per rank, between steps / at the peak (model states and activations "
-            "are equal for all schedules and left out; formulas in flatgrad/plan/memory.py, measured by bench/memory.py)"
+            "are equal for all schedules and left out; formulas in flatgrad/planner/memory.py, measured by bench/memory.py)"
         )
     return "\n".join(lines) + "\n"
 
@@ -258,7 +258,7 @@ def modes_text(spec: ModelSpec, runs: ModeRuns, cost: CostModel, config: Mapping
         "bytes sent / IB bytes: per rank per backward (IB: to other nodes, averaged over the group); "
         "alpha / bandwidth: the latency and byte terms of time (calls in series); overlapped: a hierarchical mode's node and rail stages "
         "of different buckets at once (lower bound); vs RS: time / reduce_scatter's. fp8 moves int8's bytes. "
-        "Model: [Note: all_to_all cost] in flatgrad/plan/cost.py"
+        "Model: [Note: all_to_all cost] in flatgrad/planner/cost.py"
     )
     return "\n".join(lines) + "\n"
 

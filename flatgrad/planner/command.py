@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", choices=("auto", "trace", "reverse"), default="auto",
                         help="backward hook order: traced on the meta device (auto, when the model can run there) "
                              "or reverse registration")
-    link = parser.add_argument_group("link model (alpha-beta; defaults from public nccl-tests and NCCL figures, see flatgrad/plan/cost.py)")
+    link = parser.add_argument_group("link model (alpha-beta; defaults from public nccl-tests and NCCL figures, see flatgrad/planner/cost.py)")
     defaults = CostModel()
     link.add_argument("--nvlink-busbw", type=float, default=defaults.nvlink_busbw_gbps, metavar="GB/s")
     link.add_argument("--ib-busbw", type=float, default=defaults.ib_busbw_gbps, metavar="GB/s")

@@ -42,7 +42,7 @@ def sub_groups(spec: ModelSpec, bucket_numel: int) -> list[tuple[int, list[int]]
     from ..integrations.deepspeed.zero2 import split_param_groups
 
     if len(spec.parameters) != len(spec.params):
-        raise ValueError("the ModelSpec carries no parameter objects; build it with flatgrad.plan.models.describe")
+        raise ValueError("the ModelSpec carries no parameter objects; build it with flatgrad.planner.models.describe")
     order = {p: i for i, p in enumerate(spec.parameters)}
     index = {id(p): i for i, p in enumerate(spec.parameters)}
     out = []
@@ -66,7 +66,7 @@ def flatgrad_zero2(
 ) -> Schedule:
     """flatgrad's ZeRO-2 collectives in one backward on ``rank``. See [Note: flatgrad ZeRO-2 schedule].
 
-    ``reduction`` is any mode of ``flatgrad.plan.cost.MODES``: each bucket's
+    ``reduction`` is any mode of ``flatgrad.planner.cost.MODES``: each bucket's
     reduce_scatter becomes that mode's calls (``cost.reduction_calls``, with
     ``block`` and ``gpus_per_node``); the buckets and their order stay. A
     hierarchical mode over a group that is not whole nodes gives an unavailable

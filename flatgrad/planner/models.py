@@ -35,7 +35,7 @@ tied embedding fires once, at its earliest use. ``describe`` therefore
 memory, no compute) with post-accumulate-grad hooks, when the module offers
 ``plan_inputs()``. The meta device runs on the same CPU ready queue as CPU
 tensors, so the traced order is the real one (checked against real CPU runs
-in tests/test_plan.py). Modules without ``plan_inputs()`` get reverse
+in tests/test_planner.py). Modules without ``plan_inputs()`` get reverse
 registration order, and ``ModelSpec.order_source`` says so.
 
 ZeRO-3 has an order of its own: its ``memory_efficient_linear`` (on by default)

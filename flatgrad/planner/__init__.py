@@ -4,12 +4,12 @@ No GPUs and no processes: models are built on the meta device
 (``models``), DeepSpeed 0.19.8's bucketing and partitioning are replayed
 (``stock``), flatgrad's are computed from its own code (``flatgrad_schedule``),
 and an alpha-beta model prices every call (``cost``). ``report`` prints and
-plots; ``command`` is the ``flatgrad plan`` subcommand. tests/test_plan.py
+plots; ``command`` is the ``flatgrad plan`` subcommand. tests/test_planner.py
 checks every schedule call for call against traces of real DeepSpeed runs.
 
-    from flatgrad import plan
-    spec = plan.models.load("gpt2-xl")
-    for schedule in plan.schedules(spec, 128):
+    from flatgrad import planner
+    spec = planner.models.load("gpt2-xl")
+    for schedule in planner.schedules(spec, 128):
         print(schedule.name, len(schedule.calls))
 """
 

@@ -23,9 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _ds
-from flatgrad.plan import models
-from flatgrad.plan.flatgrad_schedule import flatgrad_zero2, flatgrad_zero3
-from flatgrad.plan.stock import partitions, stock_zero2, stock_zero3
+from flatgrad.planner import models
+from flatgrad.planner.flatgrad_schedule import flatgrad_zero2, flatgrad_zero3
+from flatgrad.planner.stock import partitions, stock_zero2, stock_zero3
 from flatgrad.testing.collectives import Call, CollectiveRecorder
 
 # --------------------------------------------------------------------------- tracing real runs
@@ -225,7 +225,7 @@ def test_traced_backward_order_is_the_real_cpu_order(name: str, kwargs: dict) ->
 
 
 def test_model_loading_by_module_factory_and_bad_names() -> None:
-    spec = models.load("flatgrad.plan.models:MLP", d_in=3, hidden=4, d_out=2, layers=2, frozen=True)
+    spec = models.load("flatgrad.planner.models:MLP", d_in=3, hidden=4, d_out=2, layers=2, frozen=True)
     assert spec.numel == 4 * 2 + 2 + 2  # the frozen first layer is not counted
     assert {p.name for p in spec.params if not p.requires_grad} == {"layers.0.weight", "layers.0.bias"}
     assert not set(spec.backward_order) & {p.index for p in spec.params if not p.requires_grad}
@@ -234,7 +234,7 @@ def test_model_loading_by_module_factory_and_bad_names() -> None:
     with pytest.raises(ValueError, match="cannot import module"):
         models.load("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
-        models.load("flatgrad.plan.models:nope")
+        models.load("flatgrad.planner.models:nope")
     assert models.parse_model_args(["n_layer=2", "frozen=true", "eps=1e-5", "name=x"]) == {
         "n_layer": 2, "frozen": True, "eps": 1e-5, "name": "x"}  # fmt: skip
     with pytest.raises(ValueError, match="KEY=VALUE"):
@@ -320,8 +320,8 @@ def test_bad_arguments_raise_clear_errors() -> None:
 
 
 def test_cost_model_follows_nccl_tests_conventions() -> None:
-    from flatgrad.plan.cost import CostModel
-    from flatgrad.plan.schedule import Collective
+    from flatgrad.planner.cost import CostModel
+    from flatgrad.planner.schedule import Collective
 
     cost = CostModel()
     one_gb = 250_000_000  # fp32 elements
@@ -386,7 +386,7 @@ def test_plan_command_rejects_bad_input(capsys) -> None:
 
 
 def test_reduction_modes_cost_and_bytes() -> None:
-    from flatgrad.plan.cost import DEFAULT, reduction_call
+    from flatgrad.planner.cost import DEFAULT, reduction_call
 
     group = range(8)
     numel = 8 * 1_000_000
@@ -407,8 +407,8 @@ def test_reduction_modes_cost_and_bytes() -> None:
 
 def test_all_to_all_cost_is_per_peer_sends_hand_computed() -> None:
     """[Note: all_to_all cost] on hand-computed cases: one node, two nodes, a rail; rings for comparison."""
-    from flatgrad.plan.cost import CostModel
-    from flatgrad.plan.schedule import Collective
+    from flatgrad.planner.cost import CostModel
+    from flatgrad.planner.schedule import Collective
 
     cost = CostModel()
     nbytes = 32e6
@@ -447,7 +447,7 @@ def test_all_to_all_cost_is_per_peer_sends_hand_computed() -> None:
 
 
 def test_hierarchical_reduction_calls_hand_computed() -> None:
-    from flatgrad.plan.cost import MODES, reduction_calls
+    from flatgrad.planner.cost import MODES, reduction_calls
 
     numel, group = 32 * 4096, range(32)  # 4 nodes of 8; rank 13 is local rank 5 of node 1
     calls = {m: reduction_calls(m, numel, torch.bfloat16, group, rank=13) for m in MODES}
@@ -477,8 +477,8 @@ def test_hierarchical_reduction_calls_hand_computed() -> None:
 
 
 def test_mode_schedules_keep_the_buckets_and_price_them() -> None:
-    from flatgrad.plan.cost import DEFAULT, MODES
-    from flatgrad.plan.report import mode_rows
+    from flatgrad.planner.cost import DEFAULT, MODES
+    from flatgrad.planner.report import mode_rows
 
     spec = models.load("gpt", n_layer=2)
     for world_size in (8, 16):
@@ -519,7 +519,7 @@ def test_plan_command_modes_table_json_and_png(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "world size 8" in text and "world size 16" in text and "qgz_int8" in text and "fastest:" in text
     rows = json.loads(out.read_text())["modes"]
-    assert {r["mode"] for r in rows} == set(__import__("flatgrad.plan.cost", fromlist=["MODES"]).MODES)
+    assert {r["mode"] for r in rows} == set(__import__("flatgrad.planner.cost", fromlist=["MODES"]).MODES)
     assert [r["world_size"] for r in rows].count(16) == 8
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     argv = ["plan", "gpt", "--model-arg", "n_layer=2", "-w", "16", "--bucket", "20000", "--modes", "exact"]
