@@ -38,7 +38,7 @@ class Setup:
         multi_rank_allreduce: stock ZeRO-2's ``use_multi_rank_bucket_allreduce`` (None: not ZeRO-2 stock).
         reference: the key of the setup whose losses this one is compared with.
         options: the ``"flatgrad"`` config section of a flatgrad setup, as ``(key, value)`` pairs
-            (the reduction mode; see [Note: reduction modes] in ``flatgrad/reducer.py``).
+            (the reduction mode; see [Note: reduction modes] in ``flatgrad/reducer/modes.py``).
     """
 
     key: str

@@ -12,7 +12,7 @@ A call over a group of ``p`` ranks on ``n`` nodes takes
   each rank keeps ``1 / p`` of it), ``1`` for ``reduce`` (a pipelined chain: every
   link carries the whole buffer). It is what the busiest link of the call carries.
   ``reduction_call`` gives the call of each reduction mode (see [Note: reduction
-  modes] in ``flatgrad/reducer.py``): ``exact`` sends the bytes a reduce_scatter
+  modes] in ``flatgrad/reducer/modes.py``): ``exact`` sends the bytes a reduce_scatter
   does, ``int8`` / ``fp8`` their wire format (0.5 + 2 / block of bf16's).
 * The report's "bytes sent" is what the simulated rank itself sends: the ring
   share for ``all_reduce`` and ``reduce_scatter``, the whole buffer for a
@@ -100,7 +100,7 @@ from .schedule import Collective, Schedule
 __all__ = ["CostModel", "DEFAULT", "FLAT_MODES", "HIERARCHICAL_MODES", "MODES", "reduction_call", "reduction_calls"]
 
 FLAT_MODES = ("reduce_scatter", "exact", "int8", "fp8")
-"""The reducer's modes: one call per bucket over its group. See [Note: reduction modes] in ``flatgrad/reducer.py``."""
+"""The reducer's modes: one call per bucket over its group. See [Note: reduction modes] in ``flatgrad/reducer/modes.py``."""
 HIERARCHICAL_MODES = ("2d_reduce_scatter", "hier_exact", "hier_int8", "qgz_int8")
 """Two-stage modes, modelled only. See [Note: all_to_all cost]."""
 MODES = FLAT_MODES + HIERARCHICAL_MODES

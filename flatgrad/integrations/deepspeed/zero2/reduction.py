@@ -20,7 +20,7 @@ flatgrad must too. The reducers' comm buffers are a pool of
 stock's IPG buffers: 2 with ``overlap_comm``, else 1), shared by all
 sub-groups, with the reduce_scatter in place, and held from a backward's
 first launch to its end only, as stock's IPG buffers are (see [Note: comm
-buffer pool] in ``flatgrad/reducer.py``): between steps flatgrad holds
+buffer pool] in ``flatgrad/reducer/pool.py``): between steps flatgrad holds
 nothing stock does not. The partitions exist from the first
 micro-step of an accumulation window (ZeRO-1: from the boundary, where it
 reduces) until ``step()`` has consumed them: the step wrapper calls the
