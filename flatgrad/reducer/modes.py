@@ -43,6 +43,7 @@ covers them too.
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -62,7 +63,7 @@ __all__ = ["DividedReduceScatter", "ExactSum", "PoolSlot", "QuantizedWire", "Red
 PoolSlot = tuple[str, int, torch.dtype]  # (purpose, elements per buffer, dtype)
 
 
-class ReductionMode:
+class ReductionMode(abc.ABC):
     """The interface every mode implements; see [Note: reduction modes]."""
 
     name: str = ""
@@ -96,25 +97,25 @@ class ReductionMode:
         """The dtype that keys this mode's pool: buckets of one device and pool dtype share buffers."""
         return comm_dtype
 
+    @abc.abstractmethod
     def pool_slots(self, buckets: Sequence["Bucket"], world_size: int) -> list[PoolSlot]:
         """The buffers one pool slot holds for ``buckets`` (which share a device and pool dtype)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def bind(self, b: "Bucket", purpose: str, buffer: torch.Tensor, rank: int, world_size: int) -> None:
         """Give ``b`` its views of the pool buffer of ``purpose`` for this micro-step."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def pack(self, b: "Bucket", grads: list[torch.Tensor | None]) -> None:
         """Fill what the bucket's collective sends."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def start(self, b: "Bucket", group: dist.ProcessGroup | None, collectives: comm.Collectives | None) -> Any:
         """Start the bucket's collective (async); returns its work handle or ``None``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def unpack(self, b: "Bucket", rank: int, world_size: int, collect_stats: bool) -> torch.Tensor | None:
         """Write (or add) what arrived into ``b.shard``; returns the stats when ``collect_stats``."""
-        raise NotImplementedError
 
 
 class ReduceScatter(ReductionMode):
@@ -133,7 +134,8 @@ class ReduceScatter(ReductionMode):
     def bind(self, b, purpose, buffer, rank, world_size) -> None:
         layout = b.layout
         b.input = buffer.narrow(0, 0, layout.numel)
-        b.input_chunks = list(b.input.chunk(world_size))
+        # The list form's per-rank views, made once per binding; the tensor form needs none.
+        b.input_chunks = list(b.input.chunk(world_size)) if b.method == "list" else None
         # In place: this rank's chunk of the input. World size 1: the whole input.
         b.output = b.input.narrow(0, rank * layout.shard_numel, layout.shard_numel)
 
