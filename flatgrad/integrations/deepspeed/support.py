@@ -66,9 +66,14 @@ class Refusal:
         return f"{self.feature} ('{self.key}' = {self.hit(ds_config)!r}): {self.why}"
 
 
-def _offload(ds_config: Mapping[str, Any]) -> str | None:
-    device = offload_device(config_value(ds_config, "zero_optimization.offload_optimizer"))
-    return None if device == "none" else device
+def _offload_to(section_key: str, devices: tuple[str, ...]) -> Callable[[Mapping[str, Any]], Any]:
+    """The device of the ``offload_*`` section at ``section_key`` when it is one of ``devices``."""
+
+    def hit(ds_config: Mapping[str, Any]) -> str | None:
+        device = offload_device(config_value(ds_config, section_key))
+        return device if device in devices else None
+
+    return hit
 
 
 def _stage1_bf16_fp32_accumulation(ds_config: Mapping[str, Any]) -> str | None:
@@ -93,13 +98,22 @@ def _present(key: str) -> Callable[[Mapping[str, Any]], Any]:
 
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
-        "zero_optimization.offload_optimizer.device", (1, 2, 3), "optimizer offload",
-        "the grad partitions live on the host and DeepSpeed reduces, copies and norms them per parameter there",
-        _offload,
+        "zero_optimization.offload_optimizer.device", (1, 2, 3), "NVMe optimizer offload",
+        "DeepSpeed swaps the optimizer state through its NVMe swapper, which flatgrad does not serve; "
+        "offload to 'cpu' instead", _offload_to("zero_optimization.offload_optimizer", ("nvme",)),
+    ),
+    Refusal(
+        "zero_optimization.offload_param.device", (3,), "NVMe parameter offload",
+        "DeepSpeed swaps the parameters through its NVMe swapper, which flatgrad does not serve; offload to 'cpu' instead",
+        _offload_to("zero_optimization.offload_param", ("nvme",)),
+    ),
+    Refusal(
+        "zero_optimization.offload_optimizer.device", (1, 2, 3), "CPU optimizer offload",
+        "flatgrad does not take it over at this stage yet", _offload_to("zero_optimization.offload_optimizer", ("cpu",)),
     ),
     Refusal(
         "zero_optimization.cpu_offload", (1, 2, 3), "CPU optimizer offload (the deprecated key)",
-        "the grad partitions live on the host", _truthy("zero_optimization.cpu_offload"),
+        "flatgrad does not take it over at this stage yet", _truthy("zero_optimization.cpu_offload"),
     ),
     Refusal(
         "zero_optimization.zenflow", (1, 2, 3), "ZenFlow",
