@@ -525,6 +525,114 @@ def test_shard_arena_lays_the_shards_in_one_tensor_in_the_given_order():
             assert starts[b] == sum(numels[b + 1 :]), (starts, numels)
 
 
+def _targets_rank(rank: int, world_size: int) -> dict:
+    """``shard_targets``: in place (fp32 targets, fp32 accumulation) and delivered (bf16 accumulation, fp32
+    targets), against the same run with the reducer's own shards; two windows, two micro-steps each."""
+    out: dict = {}
+    for case, accum in (("in_place", torch.float32), ("delivered", torch.bfloat16), ("deliver_call", torch.bfloat16)):
+        runs = []
+        for targeted in (False, True):
+            model = _IntNet()
+            buckets = build_buckets(model, 24)
+            reducer = BucketReducer(buckets, accum_dtype=accum, comm_dtype=torch.bfloat16, collect_stats=True)
+            targets = None
+            if targeted:
+                targets = [torch.full((layout.shard_numel,), 7.0) for layout in reducer.layouts]
+                reducer.remove_hooks()
+                reducer = BucketReducer(
+                    buckets, accum_dtype=accum, comm_dtype=torch.bfloat16, collect_stats=True, shard_targets=targets
+                )
+            windows = []
+            for window in range(2):
+                for micro in range(2):
+                    if targeted and case != "deliver_call":
+                        reducer.final_micro_step = micro == 1
+                    model.loss(rank, 2 * window + micro).backward()
+                    reducer.finish()
+                if targeted and case == "deliver_call":
+                    reducer.deliver()
+                shards = reducer.grad_shards()
+                windows.append(
+                    {
+                        "values": [gs.shard.float().clone() for gs in shards],
+                        "stats": [s.clone() for s in reducer.shard_stats()],
+                        "are_targets": targets is not None and all(gs.shard is t for gs, t in zip(shards, targets)),
+                    }
+                )
+                reducer.zero_grad()
+            runs.append((windows, reducer.shard_bytes, [t.clone() for t in targets] if targets else None))
+            reducer.remove_hooks()
+        (own, own_bytes, _), (tgt, tgt_bytes, final_targets) = runs
+        out[case] = {
+            "equal": all(
+                torch.equal(a, b) for w0, w1 in zip(own, tgt) for a, b in zip(w0["values"], w1["values"])
+            ),
+            "stats_equal": all(
+                torch.equal(a, b) for w0, w1 in zip(own, tgt) for a, b in zip(w0["stats"], w1["stats"])
+            ),
+            "are_targets": [w["are_targets"] for w in tgt],
+            "targets_hold_last_window": all(
+                torch.equal(t, v) for t, v in zip(final_targets, own[-1]["values"])
+            ),
+            "bytes": (own_bytes, tgt_bytes),
+        }
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_shard_targets_receive_the_window_in_place_or_by_one_delivery():
+    for rank, out in enumerate(run_ranks(_targets_rank, 2, timeout=80)):
+        for case, got in out.items():
+            assert got["equal"] and got["stats_equal"], (rank, case, got)
+            assert got["are_targets"] == [True, True], (rank, case, got)
+            assert got["targets_hold_last_window"], (rank, case)
+        own_bytes, in_place_bytes = out["in_place"]["bytes"]
+        assert own_bytes > 0 and in_place_bytes == 0, out["in_place"]["bytes"]
+        assert out["delivered"]["bytes"][1] == out["delivered"]["bytes"][0]
+
+
+def _bad_targets_rank(rank: int, world_size: int) -> list[str]:
+    model = _IntNet()
+    buckets = build_buckets(model, 24)
+    probe = BucketReducer(buckets, register_hooks=False)
+    good = [torch.zeros(layout.shard_numel) for layout in probe.layouts]
+    cases = {
+        "count": good[:-1],
+        "numel": [torch.zeros(layout.shard_numel + (rank == 1)) for layout in probe.layouts],
+        "dtype": [t.long() for t in good],
+        "arena": good,
+    }
+    errors = []
+    for name, targets in cases.items():
+        try:
+            BucketReducer(
+                buckets, register_hooks=False, shard_targets=targets,
+                shard_arena=list(range(len(buckets))) if name == "arena" else None,
+            )  # fmt: skip
+        except (ValueError, TypeError, LayoutMismatchError) as exc:
+            errors.append(f"{name}: {exc}")
+        else:
+            errors.append(f"{name}: no error")
+    try:
+        probe.deliver()
+    except RuntimeError as exc:
+        errors.append(f"deliver: {exc}")
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_bad_shard_targets_are_refused_on_every_rank_naming_the_argument():
+    results = run_ranks(_bad_targets_rank, 2, timeout=50)
+    for rank, errors in enumerate(results):
+        count, numel, dtype, arena, deliver = errors
+        assert "shard_targets must be a list of" in count, count
+        # Only rank 1's targets are wrong: rank 0 raises too, having heard of it.
+        assert "shard_targets[0]" in numel or "rank 1" in numel, (rank, numel)
+        assert "dtype torch.int64" in dtype, dtype
+        assert "exclusive" in arena, arena
+        assert "deliver() needs a reducer made with shard_targets" in deliver
+
+
 # --------------------------------------------------------------------------- memory: pool and shard lifetime
 
 

@@ -1,4 +1,4 @@
-"""The comm buffer pools, taken per micro-step, and the shard arena's offsets.
+"""The comm buffer pools, taken per micro-step.
 
 [Note: comm buffer pool]
 Stock DeepSpeed keeps one or two bucket-sized IPG buffers, not one per bucket,
@@ -31,14 +31,13 @@ and tensor forms give the same bits in place as out of place (checked in
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple, Sequence
 
 import torch
 
 from .bucket import Bucket
 
-__all__ = ["CommPools", "PoolSpec", "arena_offsets"]
+__all__ = ["CommPools", "PoolSpec"]
 
 
 class PoolSpec(NamedTuple):
@@ -101,20 +100,3 @@ class CommPools:
                 for stream in side:  # the caching allocator reuses them only after the side streams' work
                     t.record_stream(stream)
         self.taken = None
-
-
-def arena_offsets(order: Sequence[int] | None, layouts: Sequence, devices: Sequence[torch.device]) -> list[int] | None:
-    """Each bucket's offset in the shard arena: bucket ``b`` is the ``order[b]``-th slice. See [Note: shard lifetime]."""
-    if order is None:
-        return None
-    if isinstance(order, torch.Tensor) or not isinstance(order, Sequence) or sorted(order) != list(range(len(layouts))):
-        raise ValueError(
-            f"shard_arena must be a permutation of range({len(layouts)}) (one arena position per bucket), got {order!r}"
-        )
-    if len(set(devices)) > 1:
-        raise ValueError(f"shard_arena needs every bucket on one device, got {sorted(map(str, set(devices)))}")
-    numels = [0] * len(layouts)
-    for b, position in enumerate(order):
-        numels[position] = layouts[b].shard_numel
-    starts = [0, *itertools.accumulate(numels)]
-    return [starts[position] for position in order]

@@ -47,6 +47,9 @@ first micro-step of a window, between the first and the last launch
 these from its cache after the first step, with no device allocation.
 ``grad_shards()`` hands out the current window's shards; a caller that keeps
 one keeps its memory alive (a shard is dropped, never resized under a view).
+With ``shard_targets`` the shards end in the caller's own tensors instead
+(see [Note: shard targets] in ``flatgrad/reducer/shards.py``): the store of
+shards is one object per placement (``shards.py``), chosen at construction.
 
 [Note: launch order]
 Collectives are matched across ranks by the order they are issued in, not by
@@ -107,7 +110,8 @@ from .agreement import LayoutMismatchError, agree, agreement_device
 from .bucket import Bucket, describe_param
 from .config import ReducerConfig
 from .modes import make_mode
-from .pool import CommPools, arena_offsets
+from .pool import CommPools
+from .shards import TargetShards, arena_offsets, check_targets, make_store
 
 __all__ = ["BucketReducer", "GradShard", "LayoutMismatchError", "ReducerConfig", "build_buckets"]
 
@@ -187,6 +191,11 @@ class BucketReducer:
             bucket: the window's shards are then slices of one tensor, bucket ``b`` the
             ``shard_arena[b]``-th, so that an optimizer can update them as one tensor
             (see [Note: shard lifetime]).
+        shard_targets: ``None``, or one persistent tensor per bucket (``layout.shard_numel``
+            elements, any float dtype, any device: an optimizer's host partitions under
+            offload) into which every window's shard ends; written in place where the
+            target is on the bucket's device with ``accum_dtype``, else delivered by one
+            copy per bucket (see [Note: shard targets] in ``flatgrad/reducer/shards.py``).
 
     Attributes:
         config: the ``ReducerConfig``.
@@ -200,7 +209,8 @@ class BucketReducer:
         comm_buffer_bytes: bytes of the comm buffer pools (comm buffers, and the all_to_all
             modes' receive or wire buffers), held from a micro-step's first launch to its
             ``finish()`` only.
-        shard_bytes: bytes of the shards of one accumulation window (held only during one).
+        shard_bytes: bytes the reducer allocates for the shards of one accumulation window (held only
+            during one; with ``shard_targets``, only for the targets not written in place).
         residual_bytes: bytes of the error-feedback residuals (held all the time; 0 without).
     """
 
@@ -213,6 +223,7 @@ class BucketReducer:
         register_hooks: bool = True,
         collectives: comm.Collectives | None = None,
         shard_arena: Sequence[int] | None = None,
+        shard_targets: Sequence[torch.Tensor] | None = None,
         **options: Any,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -234,6 +245,7 @@ class BucketReducer:
             self.mode = make_mode(config, self.world_size)
             specs = self._describe_buckets(buckets, register_hooks)
             offsets = arena_offsets(shard_arena, [s.layout for s in specs], [s.device for s in specs])
+            check_targets(shard_targets, [s.layout for s in specs], shard_arena)
             description = [s.description for s in specs]
         except Exception as exc:  # exchanged below so that every rank raises, then re-raised
             local_error = exc
@@ -250,9 +262,8 @@ class BucketReducer:
         self.layouts: list[Layout] = [b.layout for b in self._buckets]
         self.kernel_backends: list[str] = [spec.backend for spec in specs]
         self.comm_buffer_bytes: int = self._comm.nbytes
-        self.shard_bytes: int = sum(b.layout.shard_numel for b in self._buckets) * self.accum_dtype.itemsize
-        self._arena_offsets = offsets
-        self._arena: torch.Tensor | None = None
+        self._shards = make_store(self.accum_dtype, self._buckets, offsets, shard_targets)
+        self.shard_bytes: int = self._shards.allocated_bytes(self._buckets, self.accum_dtype.itemsize)
         self.residual_bytes: int = sum(b.residual.nbytes for b in self._buckets if b.residual is not None)
         self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._next = 0  # the first bucket not launched yet this micro-step; see [Note: launch order]
@@ -407,20 +418,12 @@ class BucketReducer:
 
     def _ensure_shard(self, b: Bucket) -> None:
         """Give ``b`` its shard for this window if it has none; its first unpack then copies. See [Note: shard lifetime]."""
-        if b.shard is not None:
-            return
-        if self._arena_offsets is None:
-            b.shard = torch.empty(b.layout.shard_numel, dtype=self.accum_dtype, device=b.device)
-            b.accumulate = False
-            return
-        self._arena = torch.empty(self.shard_bytes // self.accum_dtype.itemsize, dtype=self.accum_dtype, device=b.device)
-        for bb, offset in zip(self._buckets, self._arena_offsets):
-            bb.shard = self._arena.narrow(0, offset, bb.layout.shard_numel)
-            bb.accumulate = False
+        self._shards.ensure(b, self._buckets)
 
     def _unpack(self, b: Bucket) -> None:
         self._ensure_shard(b)
         b.unpack(self.rank, self.world_size, self.collect_stats)
+        self._shards.unpacked(b)
 
     def _drain(self, block: bool, through: Bucket | None = None) -> None:
         """CPU: unpack launched buckets in launch order.
@@ -458,6 +461,7 @@ class BucketReducer:
             streams = {b.unpack_stream for b in self._buckets if b.unpack_stream is not None}
             for stream in streams:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
+            self._shards.finish()
             self._comm.release()
             for b in self._buckets:
                 b.reset()
@@ -472,10 +476,7 @@ class BucketReducer:
         """
         if self._in_step:
             raise RuntimeError("zero_grad() in the middle of a micro-step: call finish() first")
-        for b in self._buckets:
-            b.shard = None
-            b.stats = None
-        self._arena = None
+        self._shards.release(self._buckets)
 
     def grad_shards(self) -> list[GradShard]:
         """Every bucket's shard with its layout, params and pieces (valid after ``finish()``, until ``zero_grad()``)."""
@@ -489,7 +490,32 @@ class BucketReducer:
     @property
     def shard_arena(self) -> torch.Tensor | None:
         """With ``shard_arena``: the one tensor every bucket's shard is a slice of (``None`` outside a window)."""
-        return self._arena
+        return self._shards.arena
+
+    @property
+    def final_micro_step(self) -> bool:
+        """With ``shard_targets``: whether this micro-step ends the window, so each unpack delivers its shard.
+
+        The owner sets it before the micro-step's backward (see [Note: shard targets]).
+        """
+        return isinstance(self._shards, TargetShards) and self._shards.final
+
+    @final_micro_step.setter
+    def final_micro_step(self, final: bool) -> None:
+        if not isinstance(self._shards, TargetShards):
+            raise RuntimeError("final_micro_step needs a reducer made with shard_targets")
+        self._shards.final = bool(final)
+
+    def deliver(self) -> None:
+        """With ``shard_targets``: move every shard not delivered yet this window into its target, and wait for it.
+
+        Valid after ``finish()``; the shards are the targets afterwards (see [Note: shard targets]).
+        """
+        if not isinstance(self._shards, TargetShards):
+            raise RuntimeError("deliver() needs a reducer made with shard_targets")
+        if self._in_step:
+            raise RuntimeError("deliver() in the middle of a micro-step: call finish() first")
+        self._shards.deliver_all(self._buckets)
 
     @property
     def stats_available(self) -> bool:
