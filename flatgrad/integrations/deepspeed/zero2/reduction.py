@@ -66,8 +66,6 @@ def _refuse_unsupported(o: Any) -> None:
         raise UnsupportedConfigError(
             "per-parameter alignment padding ('zero_optimization.parameter_alignment') is not supported by flatgrad"
         )
-    if getattr(o, "cpu_offload", False):
-        raise UnsupportedConfigError("optimizer offload ('zero_optimization.offload_optimizer') is not supported by flatgrad")
 
 
 def stock_scales(o: Any) -> tuple[float, float]:
@@ -111,7 +109,10 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         groups = self._sub_groups_by_process_group()
         # With an elementwise optimizer the step updates runs of sub-groups as one tensor: the
         # shards of a reducer are then one arena, in sub-group order. See [Note: optimizer arenas].
-        use_arenas = type(o.optimizer) in ELEMENTWISE and o.partition_gradients
+        # Under CPU offload the partitions are the optimizer's host fp32 gradients, which its own step
+        # reads: see [Note: ZeRO-Offload].
+        self.offload = bool(getattr(o, "cpu_offload", False))
+        use_arenas = type(o.optimizer) in ELEMENTWISE and o.partition_gradients and not self.offload
         self._make_reducers(groups, use_arenas)
 
         # How step()'s per-piece views lie in each sub-group's partition, planned once; the
@@ -213,6 +214,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
                 error_feedback=cfg.error_feedback,
                 collectives=deepspeed_collectives(),
                 shard_arena=arena_positions(indices) if use_arenas else None,
+                shard_targets=[self._host_gradient(i) for i in indices] if self.offload else None,
             )
             for b, i in enumerate(indices):
                 if reducer.layouts[b] != self.layouts[i]:
@@ -224,6 +226,16 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
             self.reducers.append(reducer)
             self.methods.add(comm.resolve_method(cfg.reduce_scatter_method, pg, self.device))
         self._stats_order = torch.tensor(concat_position, dtype=torch.long, device=self.device)
+
+    def _host_gradient(self, i: int) -> torch.Tensor:
+        """Sub-group ``i``'s fp32 gradient partition on the host, which the offloaded optimizer reads (stock's own)."""
+        grad = self.optimizer.single_partition_of_fp32_groups[i].grad
+        if grad is None or grad.numel() != self.layouts[i].shard_numel:
+            raise RuntimeError(
+                f"flatgrad: sub-group {i} has no host gradient partition of {self.layouts[i].shard_numel} elements "
+                "(DeepSpeed allocates it under 'zero_optimization.offload_optimizer')"
+            )
+        return grad
 
     def _moe_sub_groups(self) -> list[tuple[Any, torch.Tensor]]:
         """MoE sub-groups by expert group, for the norm (stock averages them over that group)."""
@@ -288,9 +300,15 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         if not o.ready_for_gradients:
             o.micro_step_id += 1
             o.ready_for_gradients = True
+            if self.offload:  # the boundary's unpacks deliver to the host as they finish: [Note: ZeRO-Offload]
+                final = o.is_gradient_accumulation_boundary()
+                for r in self.reducers:
+                    r.final_micro_step = final
 
     def _hand_over(self) -> None:
         o = self.optimizer
+        if self.offload:
+            self._deliver_to_host()
         if self.partitions is None:
             shards = {id(r): [gs.shard for gs in r.grad_shards()] for r in self.reducers}
             self.partitions = []
@@ -302,6 +320,23 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
             o.averaged_gradients[i] = partition
         self._window.forget()  # this hand-over's stats are reduced when step() first asks
         self._window_open = False
+
+    def _deliver_to_host(self) -> None:
+        """Offload: every partition in its host gradient, and every host gradient the optimizer's again.
+
+        A checkpoint load may give a master partition a new ``.grad``; the reduced
+        gradient is in the tensor the reducers were given, so that one is put back.
+        """
+        o = self.optimizer
+        for r in self.reducers:
+            r.deliver()
+            r.final_micro_step = False
+        shards = {id(r): [gs.shard for gs in r.grad_shards()] for r in self.reducers}
+        for i, (reducer, b) in enumerate(self._slot):
+            target = shards[id(reducer)][b]
+            master = o.single_partition_of_fp32_groups[i]
+            if master.grad is not target:
+                master.grad = target
 
     def _handed_over(self) -> bool:
         """Whether DeepSpeed's ``averaged_gradients`` still hold this window's partitions, every one."""
@@ -348,4 +383,5 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
             f"split into {len(self.layouts)} sub-group(s) = {len(self.layouts)} bucket(s) on {len(self.reducers)} "
             f"process group(s), per bucket one fused pack, one reduce_scatter ({', '.join(sorted(self.methods))}), "
             f"one fused unpack into the {o.gradient_accumulation_dtype} partition"
+            + (", delivered to the optimizer's host fp32 partition (optimizer offload)" if self.offload else "")
         )

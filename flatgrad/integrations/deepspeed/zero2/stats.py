@@ -149,7 +149,7 @@ class Zero2StepStats:
                 unsplit = [o._round_robin_reorder(params, world_size)[0] for params in unsplit]
             self._stock_norm = StockNorm(
                 unsplit, o.round_robin_bit16_groups, self.layouts, dist.get_rank(group=o.dp_process_group),
-                world_size, int(o.nccl_start_alignment_factor), self.device,
+                world_size, int(o.nccl_start_alignment_factor), self.device, host_root=self.offload,
             )  # fmt: skip
         return self._stock_norm
 

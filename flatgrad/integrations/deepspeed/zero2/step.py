@@ -55,9 +55,9 @@ class Zero2Step:
         """Replaces ``step``: stock's update in one optimizer call for all sub-groups, then release the partitions.
 
         See [Note: ZeRO-2 step]. Without a hand-over to consume (a step with no
-        backward) it is stock's step.
+        backward), and under optimizer offload (see [Note: ZeRO-Offload]), it is stock's step.
         """
-        if self.partitions is None or not self._handed_over():
+        if self.partitions is None or not self._handed_over() or self.offload:
             if self.arenas is not None:
                 self.arenas.unshare()
             result = self._stock_step(closure)

@@ -11,7 +11,14 @@ flatgrad rank may hold part of stock's partition of rank ``r``, so
 sums their squared fp64 norms per (group, stock rank); one fp64 all_reduce
 completes them (equal to stock's after the fp32 cast). Up to 2 ranks the fp32
 sum over ranks is order-free; above, it is stock's own all_reduce, one per
-param group. Unclipped, the norm is only reported: the unpack's stats give it.
+param group. Under optimizer offload stock sums the same fp64 squares per rank
+(``complete_grad_norm_calculation_for_cpu_offload``: one fp64 norm per
+parameter piece, squared and summed in Python floats), casts to fp32, all_reduces,
+and roots the fp32 sum in double precision before rounding it to fp32; torch's
+fp32 ``pow(0.5)`` is not the correctly rounded root, so the two paths differ by an
+ulp now and then, and ``host_root`` takes the offload one (``sqrt`` in fp64, then
+the cast: the correctly rounded root of the same value). Unclipped, the norm is
+only reported: the unpack's stats give it.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class StockNorm:
         rank, world_size: this rank in the data-parallel group, and its size.
         align: DeepSpeed's ``nccl_start_alignment_factor`` (stock pads its flat to ``align * world_size``).
         device: where the plan's index lives (the partitions' device).
+        host_root: root each group's sum as stock's offload path does (in fp64), not in fp32.
     """
 
     def __init__(
@@ -48,8 +56,10 @@ class StockNorm:
         world_size: int,
         align: int,
         device: torch.device,
+        host_root: bool = False,
     ):
         self.rank, self.world_size = rank, world_size
+        self.host_root = host_root
         self.num_groups = len(stock_groups)
         stock_place: dict[int, tuple[int, int, int]] = {}  # param -> (group, offset in stock's flat, shard_numel)
         for g, params in enumerate(stock_groups):
@@ -105,7 +115,7 @@ class StockNorm:
             else:
                 total = per_rank[g, self.rank].clone()
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-            norm = total.pow(1.0 / 2.0)
+            norm = total.double().sqrt().float() if self.host_root else total.pow(1.0 / 2.0)
             mask_nan_or_inf_with_val_inplace(norm, device=norm.device)
             norms.append(norm)
         return combine_grad_norm_groups(norms, norm_type=2)
