@@ -80,3 +80,78 @@ def test_offload_fp32_bitwise_equal_to_stock_offload_on_two_ranks():
             assert fg["losses"] == stock["losses"], case
             for name in stock["params"]:
                 assert torch.equal(fg["params"][name], stock["params"][name]), (case, name)
+
+
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)).item() for k in a)
+
+
+@pytest.mark.timeout(300)
+def test_offload_fp32_on_four_ranks_within_the_reduction_order_of_stock():
+    """4 ranks: gloo adds the ranks' gradients in another order in stock's reduce than in flatgrad's
+    reduce_scatter (as without offload, see tests/test_deepspeed_zero2.py): within 1e-6; one
+    reduce_scatter per sub-group per reduction."""
+    cases = [(2, 2, 0.05, True), (1, 2, 0.0, True), (2, 1, 0.0, False)]
+    for rank_results in launch(_equivalence_rank, 4, cases, timeout=280):
+        for case, r in zip(cases, rank_results):
+            stock, fg = r["stock"], r["flatgrad"]
+            reductions = 6 if case[0] == 1 else 6 * case[1]
+            assert fg["offload"] and fg["reduce_scatters"] == reductions * fg["groups"], (case, fg)
+            assert _max_rel(stock["params"], fg["params"]) <= 1e-6, case
+            assert max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], fg["losses"])) <= 1e-6, case
+
+
+def _cpu_adam_rank(rank: int, world_size: int, dtype: str) -> dict:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    batches = make_batches(rank, 8, 2, D_IN, D_OUT)
+    out = {}
+    for kind in ("stock", "flatgrad"):
+        cfg = _offload_config(2, 2, world_size, 0.05, True, dtype=dtype)
+        del cfg["zero_force_ds_cpu_optimizer"]
+        cfg["optimizer"]["params"].pop("torch_adam")
+        engine = _engine(kind, cfg)
+        out[kind] = {
+            "optimizer": type(engine.optimizer.optimizer).__name__,
+            "losses": train(engine, batches, dtype=torch.bfloat16 if dtype == "bf16" else None),
+            "params": params_of(engine),
+            "masters": {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()},
+        }
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_offload_with_deepspeeds_cpu_adam(dtype: str):
+    """DeepSpeedCPUAdam, the default optimizer under offload: flatgrad steps it per sub-group, stock once per
+    param group. Its update is elementwise, but its vector body and its scalar tail round differently (see
+    ``test_cpu_adam_rounds_its_scalar_tail_unlike_its_vector_body``), and a sub-group's partition ends where
+    stock's does not: within 1e-6 relative, the losses too; the bf16 model's partitions are delivered by one
+    cast-copy per bucket."""
+    for out in launch(_cpu_adam_rank, 2, dtype, timeout=380):
+        stock, fg = out["stock"], out["flatgrad"]
+        assert stock["optimizer"] == fg["optimizer"] == "DeepSpeedCPUAdam"
+        assert max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], fg["losses"])) <= 1e-6, dtype
+        assert _max_rel(stock["masters"], fg["masters"]) <= 1e-6, dtype
+
+
+def test_cpu_adam_rounds_its_scalar_tail_unlike_its_vector_body():
+    """The cause named above: one DeepSpeedCPUAdam step over a tensor and over two slices of it differ only in
+    the elements a slice's scalar tail (its last < 16 elements, the widest SIMD width) updates."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    gen = torch.Generator().manual_seed(0)
+    weights, grads = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
+    cut = 333
+    whole = torch.nn.Parameter(weights.clone())
+    parts = [torch.nn.Parameter(weights[:cut].clone()), torch.nn.Parameter(weights[cut:].clone())]
+    one, two = DeepSpeedCPUAdam([whole], lr=1e-2), DeepSpeedCPUAdam(parts, lr=1e-2)
+    for _ in range(3):
+        whole.grad, parts[0].grad, parts[1].grad = grads.clone(), grads[:cut].clone(), grads[cut:].clone()
+        one.step()
+        two.step()
+    split = torch.cat([p.detach() for p in parts])
+    differ = set((whole.detach() != split).nonzero().flatten().tolist())
+    tails = set(range(cut - 16, cut)) | set(range(1000 - 16, 1000))
+    assert differ <= tails, sorted(differ - tails)
+    assert ((whole.detach() - split).abs() / whole.detach().abs()).max() <= 1e-6

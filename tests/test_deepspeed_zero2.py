@@ -1185,10 +1185,9 @@ def _cfg_with(stage: int = 2, **changes) -> dict:
     "cfg,key",
     [
         (
-            _cfg_with(zero_optimization__offload_optimizer={"device": "cpu"}),
+            _cfg_with(zero_optimization__offload_optimizer={"device": "nvme", "nvme_path": "/tmp"}),
             "zero_optimization.offload_optimizer.device",
         ),
-        (_cfg_with(zero_optimization__cpu_offload=True), "zero_optimization.cpu_offload"),
         (_cfg_with(zero_optimization__zenflow={"topk_ratio": 0.1}), "zero_optimization.zenflow"),
         (_cfg_with(zero_optimization__parameter_alignment=True), "zero_optimization.parameter_alignment"),
         (_cfg_with(compile={"deepcompile": True}), "compile.deepcompile"),
@@ -1207,8 +1206,7 @@ def _cfg_with(stage: int = 2, **changes) -> dict:
         (_cfg_with(3, flatgrad={"reduction": "exact"}), "flatgrad.reduction"),
     ],
     ids=[
-        "offload",
-        "cpu_offload",
+        "nvme-offload",
         "zenflow",
         "alignment",
         "deepcompile",

@@ -13,6 +13,21 @@ reduces once per window); it is divided by the data-parallel size in its own
 dtype and cast to the communication dtype afterwards, as stock does, so
 loss-scaled fp16 sums do not overflow in the cast.
 
+[Note: ZeRO-Offload]
+Under ``offload_optimizer: {device: cpu}`` stock copies every parameter's slice of
+its reduced gradient into the host fp32 partition (``single_partition_of_fp32_groups[i].grad``,
+allocated once and kept, pinned with ``pin_memory``), one copy per parameter, and
+with accumulation keeps a full-size host copy of each parameter's gradient that it
+moves through the device every micro-step. flatgrad gives each sub-group's host
+partition to its reducer as the bucket's shard target (see [Note: shard targets] in
+``flatgrad/reducer/shards.py``): the fused unpack writes into it in place on a CPU
+rank with fp32 accumulation, else the window's shard is delivered by one copy per
+bucket as the last micro-step unpacks it. Accumulation follows [Note: accumulation
+dtype]. The step is stock's offload step; its norm and overflow are flatgrad's
+replaced ones, the clipping norm rooted as stock's offload path roots it (see
+[Note: stock clipping norm]). A checkpoint load that gives a master partition a new
+``.grad`` gets the reducers' target put back at the hand-over.
+
 [Note: ZeRO-2 memory]
 Stock frees its IPG buffers and gradient partitions between steps, so
 flatgrad must too. The reducers' comm buffers are a pool of
@@ -106,12 +121,12 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         self.cfg = cfg
         _refuse_unsupported(o)
         self.device = torch.device(get_accelerator().current_device_name())
-        groups = self._sub_groups_by_process_group()
-        # With an elementwise optimizer the step updates runs of sub-groups as one tensor: the
-        # shards of a reducer are then one arena, in sub-group order. See [Note: optimizer arenas].
         # Under CPU offload the partitions are the optimizer's host fp32 gradients, which its own step
         # reads: see [Note: ZeRO-Offload].
         self.offload = bool(getattr(o, "cpu_offload", False))
+        groups = self._sub_groups_by_process_group()
+        # With an elementwise optimizer the step updates runs of sub-groups as one tensor: the
+        # shards of a reducer are then one arena, in sub-group order. See [Note: optimizer arenas].
         use_arenas = type(o.optimizer) in ELEMENTWISE and o.partition_gradients and not self.offload
         self._make_reducers(groups, use_arenas)
 
@@ -159,6 +174,8 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
                 layout = Layout.flat([p.numel() for p in params], dist.get_world_size(group=pg), align)
                 verify_layout(o, i, layout, dist.get_rank(group=pg))
                 self.layouts.append(layout)
+                if self.offload:
+                    self._host_gradient(i)
                 groups.setdefault(id(pg), (pg, []))[1].append(i)
         except Exception as exc:  # exchanged below so that every rank raises, then re-raised
             local_error = exc
