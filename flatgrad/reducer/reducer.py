@@ -506,6 +506,11 @@ class BucketReducer:
             raise RuntimeError("final_micro_step needs a reducer made with shard_targets")
         self._shards.final = bool(final)
 
+    @property
+    def target_copies(self) -> int:
+        """With ``shard_targets``: how many shards were copied into their targets so far (0 when all are in place)."""
+        return self._shards.copies if isinstance(self._shards, TargetShards) else 0
+
     def deliver(self) -> None:
         """With ``shard_targets``: move every shard not delivered yet this window into its target, and wait for it.
 

@@ -110,6 +110,7 @@ class TargetShards(ShardStore):
         self.dtype = dtype
         self.in_place = [t.device == b.device and t.dtype == dtype for t, b in zip(targets, buckets)]
         self.final = False
+        self.copies = 0  # deliveries made (a copy each), counted for benches and tests
         self._delivered = [False] * len(targets)
         self._host_copies: list[tuple[torch.device, object]] = []  # (device, event) of copies into host memory
 
@@ -133,6 +134,7 @@ class TargetShards(ShardStore):
         target, shard = self.targets[b.id], b.shard
         host = shard.device.type == "cuda" and target.device.type == "cpu"
         target.copy_(shard, non_blocking=host and target.is_pinned())
+        self.copies += 1
         if shard.device.type == "cuda":
             shard.record_stream(torch.cuda.current_stream(shard.device))
         if host:
