@@ -29,6 +29,7 @@ stock and flatgrad; model states and activations are equal) to a 7B model at 8,
 
     python bench/memory.py                              # everything, about 3 minutes here
     python bench/memory.py --stages 2 --world-sizes 2 --dtypes bf16 --out memory.json
+    python bench/memory.py --offload --stages 1 2     # CPU optimizer offload: host and device sides apart
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ _MODES = ("stock", "flatgrad")
 
 def _config(
     stage: int, dtype: str, world_size: int, bucket: int, gas: int, flatgrad: bool, comm_buffers: int | None,
-    reduction: dict | None = None, clip: float = 0.0,
+    reduction: dict | None = None, clip: float = 0.0, offload: str | None = None,
 ) -> dict:  # fmt: skip
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": offload == "pinned"}
     if stage in (1, 2):
         zero["allgather_bucket_size"] = max(bucket, 10**7)
     if stage == 3:
@@ -69,6 +72,8 @@ def _config(
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": zero,
     }
+    if offload:
+        cfg["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host partitions
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if flatgrad:
@@ -101,7 +106,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
         n_params = sum(p.numel() for p in model.parameters())
         cfg = _config(
             job["stage"], job["dtype"], world_size, job["bucket"], job["gas"], job["mode"] == "flatgrad",
-            job["comm_buffers"], job.get("reduction"), job.get("clip", 0.0),
+            job["comm_buffers"], job.get("reduction"), job.get("clip", 0.0), job.get("offload"),
         )
         engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
         census.mark("built")
@@ -112,7 +117,9 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
             engine.step()
             del loss
         census.mark("between steps")
+        host = _host_bytes(engine.optimizer) if job.get("offload") else 0
     out = {
+        "host_between": host,
         "params": n_params,
         "between": census.at("between steps"),
         "built": census.at("built"),
@@ -131,6 +138,29 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     return out
 
 
+def _host_bytes(optimizer: Any) -> int:
+    """Bytes of the tensors DeepSpeed's optimizer offload keeps on the host, each storage counted once.
+
+    The fp32 master partitions and their gradients, the optimizer state, and stock's
+    per-parameter accumulation buffers and bit16 staging buffers. On a CPU rank host and
+    device are one memory; this is the share that offload places on the host.
+    """
+    tensors: list[torch.Tensor] = []
+    for master in getattr(optimizer, "single_partition_of_fp32_groups", []):
+        tensors += [master] + ([master.grad] if master.grad is not None else [])
+    for state in optimizer.optimizer.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    tensors += list(getattr(optimizer, "accumulated_grads_in_cpu", {}).values())
+    tensors += list(getattr(optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", []))
+    if torch.is_tensor(getattr(optimizer, "temp_grad_buffer_for_cpu_offload", None)):
+        tensors.append(optimizer.temp_grad_buffer_for_cpu_offload)
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def _largest_bucket(engine: Any, job: dict) -> int:
     """The largest ZeRO-1/2 sub-group (flatgrad) or ``reduce_bucket_size``, in elements."""
     reduction = getattr(engine.optimizer, "_flatgrad", None)
@@ -146,12 +176,14 @@ def _run(args: argparse.Namespace) -> list[dict]:
     for world_size in args.world_sizes:
         for stage in args.stages:
             for dtype in args.dtypes:
-                row: dict[str, Any] = {"stage": stage, "dtype": dtype, "world_size": world_size, "bucket": bucket}
+                row: dict[str, Any] = {
+                    "stage": stage, "dtype": dtype, "world_size": world_size, "bucket": bucket, "offload": args.offload,
+                }  # fmt: skip
                 for mode in _MODES:
                     job = dict(
                         stage=stage, dtype=dtype, mode=mode, device=args.device, width=args.width,
                         layers=args.layers, bucket=bucket, steps=args.steps, gas=args.gas,
-                        comm_buffers=args.comm_buffers, clip=args.clip,
+                        comm_buffers=args.comm_buffers, clip=args.clip, offload=args.offload,
                         reduction={"reduction": args.reduction, "error_feedback": args.error_feedback},
                     )  # fmt: skip
                     results = run_ranks(_rank, world_size, job, timeout=600)
@@ -190,6 +222,12 @@ def _targets(row: dict) -> dict[str, Any]:
         out["between_ok"] = f["between"] - meta <= s["between"] + out["between_allowance"]
     out["peak_allowance"] = 4 * largest
     out["peak_ok"] = f["peak"] - meta <= s["peak"] + out["peak_allowance"]
+    if row.get("offload"):
+        # Offload: device side no more than stock's between steps, host side no more than stock's + 1 bucket.
+        out["between_allowance"] = 0
+        out["between_ok"] = (f["between"] - f["host_between"]) - meta <= s["between"] - s["host_between"]
+        out["host_allowance"] = 4 * largest
+        out["host_ok"] = f["host_between"] <= s["host_between"] + out["host_allowance"]
     return out
 
 
@@ -201,19 +239,30 @@ def _table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for row in rows:
         s, f, t = row["stock"], row["flatgrad"], row["targets"]
-        name = f"ZeRO-{row['stage']} {row['dtype']} W={row['world_size']}"
+        name = f"ZeRO-{row['stage']} {row['dtype']} W={row['world_size']}" + (" off" if row.get("offload") else "")
         between = f"{s['between'] / 1e6:9.2f} -> {f['between'] / 1e6:9.2f}"
         peak = f"{s['peak'] / 1e6:9.2f} -> {f['peak'] / 1e6:9.2f}"
-        b_ex = (
-            f"{(f['between'] - s['between']) / t['between_allowance']:+.2f} {'ok' if t['between_ok'] else 'OVER'}"
-            if "between_allowance" in t
-            else "-"
-        )
+        if row.get("offload"):  # device side between steps: its excess over stock, in MB
+            excess = (f["between"] - f["host_between"]) - (s["between"] - s["host_between"])
+            b_ex = f"{excess / 1e6:+.2f}MB {'ok' if t['between_ok'] else 'OVER'}"
+        elif "between_allowance" in t:
+            b_ex = f"{(f['between'] - s['between']) / t['between_allowance']:+.2f} {'ok' if t['between_ok'] else 'OVER'}"
+        else:
+            b_ex = "-"
         p_ex = f"{(f['peak'] - s['peak']) / t['peak_allowance']:+.2f} {'ok' if t['peak_ok'] else 'OVER'}"
         lines.append(
             f"{name:22} {s['params'] / 1e6:7.2f}M {row['bucket'] / 1e6:7.3f}M  {between:>21} "
             f"{_ratio(f['between'], s['between']):>7} {b_ex:>14}  {peak:>21} {_ratio(f['peak'], s['peak']):>7} {p_ex:>14}"
         )
+    for row in rows:
+        if row.get("offload"):
+            s, f, t = row["stock"], row["flatgrad"], row["targets"]
+            lines.append(
+                f"  ZeRO-{row['stage']} {row['dtype']} W={row['world_size']} offload ({row['offload']}): host side "
+                f"between {s['host_between'] / 1e6:.2f} -> {f['host_between'] / 1e6:.2f} MB, device side "
+                f"{(s['between'] - s['host_between']) / 1e6:.2f} -> {(f['between'] - f['host_between']) / 1e6:.2f} MB "
+                f"(host {'ok' if t['host_ok'] else 'OVER'}: <= stock + 1 fp32 bucket)"
+            )
     lines.append(
         "excess/allowed: (flatgrad - stock) / the target's allowance (between: 2 buckets of comm dtype; "
         "peak: 1 bucket of fp32); <= 1 meets the target, flatgrad's tables and plans "
@@ -256,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reduction", default="reduce_scatter", help="flatgrad's 'reduction' (ZeRO-1/2)")
     parser.add_argument("--error-feedback", action="store_true", help="flatgrad's 'error_feedback' (int8/fp8)")
+    parser.add_argument(
+        "--offload", nargs="?", const="pinned", default=None, choices=["pinned", "pageable"],
+        help="CPU optimizer offload (pin_memory true, or false with 'pageable'): host and device sides apart",
+    )
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.device == "cpu" else "cuda")
@@ -272,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": info, "rows": rows, "projection_7b": projection, "args": vars(args)}, f, indent=1)
-    return 0 if all(r["targets"].get("between_ok", True) and r["targets"]["peak_ok"] for r in rows) else 1
+    ok = all(r["targets"].get("between_ok", True) and r["targets"]["peak_ok"] and r["targets"].get("host_ok", True)
+             for r in rows)  # fmt: skip
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
