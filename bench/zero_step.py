@@ -54,6 +54,15 @@ all_reduce). Example::
     python bench/zero_step.py                        # both models, 4 ranks
     python bench/zero_step.py --models moe --steps 4 --out zero_step.json
     python bench/zero_step.py --sub-groups 1 10 100 400 --world-size 2   # the step against the sub-group count
+    python bench/zero_step.py --offload --models transformer           # CPU optimizer offload, all three setups
+
+With ``--offload`` every setup offloads the optimizer to the CPU (``pin_memory``,
+torch's AdamW on the host partitions), ``backward`` includes the copies of the
+reduced gradients into the host partitions, and ``host copies`` counts them per
+step: stock's per-parameter copies (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``
+and, accumulating, ``async_accumulate_grad_in_cpu_via_gpu``), flatgrad's per-bucket
+deliveries (none where the unpack writes the host partition in place, as on a CPU
+rank accumulating in fp32).
 """
 
 from __future__ import annotations
@@ -220,6 +229,26 @@ def _install_seam_probe(optimizer: Any, probe: _Probe) -> None:
         setattr(optimizer, name, probe.timed(getattr(optimizer, name), seam=True))
 
 
+_STOCK_HOST_COPIES = ("async_inplace_copy_grad_to_fp32_buffer_from_gpu", "async_accumulate_grad_in_cpu_via_gpu")
+
+
+def _host_copy_counter(optimizer: Any):
+    """A function returning the host copies made so far: flatgrad's deliveries, or stock's per-parameter copies."""
+    reduction = getattr(optimizer, "_flatgrad", None)
+    if reduction is not None:
+        return lambda: sum(r.target_copies for r in reduction.reducers)
+    count = [0]
+    for name in _STOCK_HOST_COPIES:
+        method = getattr(optimizer, name)
+
+        def counted(*args, _method=method, **kwargs):
+            count[0] += 1
+            return _method(*args, **kwargs)
+
+        setattr(optimizer, name, counted)
+    return lambda: count[0]
+
+
 # --------------------------------------------------------------------------- ranks
 
 
@@ -238,6 +267,9 @@ def _config(setup: str, args: argparse.Namespace, bucket: int, world_size: int) 
             "use_multi_rank_bucket_allreduce": setup != "stock_reduce",
         },
     }
+    if args.offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if setup == "flatgrad" and args.backend:
         cfg["flatgrad"] = {"backend": args.backend}
     return cfg
@@ -254,7 +286,7 @@ def _run_model(
     from flatgrad.testing.collectives import sent_bytes
 
     bucket = args.moe_bucket if model_name == "moe" else args.transformer_bucket
-    engines, batch_fn, n_params = {}, None, 0
+    engines, batch_fn, n_params, host_copies = {}, None, 0, {}
     for setup in SETUPS:
         torch.manual_seed(0)
         model, batch_fn = _MODELS[model_name]()
@@ -263,6 +295,7 @@ def _run_model(
         cfg = _config(setup, args, bucket, world_size)
         engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
         _install_seam_probe(engine.optimizer, probe)
+        host_copies[setup] = _host_copy_counter(engine.optimizer)
         engines[setup] = engine
     sub_groups = len(engines["flatgrad"].optimizer.bit16_groups)
     generator = torch.Generator().manual_seed(1000 + rank)
@@ -277,6 +310,7 @@ def _run_model(
             recorder.phase = "forward"
             loss = engine(x, y)
             recorder.phase = "backward"
+            copies = host_copies[setup]()
             t0 = time.perf_counter()
             engine.backward(loss)
             backward = time.perf_counter() - t0
@@ -298,6 +332,7 @@ def _run_model(
                         "calls_by_op": {op: sum(1 for c in grad_calls if c.op == op) for op in _GRADIENT_OPS},
                         "sent": sum(sent_bytes(c, rank) for c in grad_calls),
                         "step_calls": sum(1 for c in recorder.calls if c.phase == "step"),
+                        "host_copies": host_copies[setup]() - copies,
                     }
                 )
     stock = {n: safe_get_full_fp32_param(p) for n, p in engines["stock"].module.named_parameters()}
@@ -338,6 +373,9 @@ def summarize(per_rank: list[dict], model: str) -> dict:
         figures = {name: {"median": statistics.median(v), "min": min(v)} for name, v in series.items()}
         figures["calls_per_step"] = statistics.median(r["rows"][setup][k]["calls"] for r in ranks for k in range(steps))
         figures["calls_by_op"] = ranks[0]["rows"][setup][0]["calls_by_op"]
+        figures["host_copies"] = statistics.median(
+            r["rows"][setup][k]["host_copies"] for r in ranks for k in range(steps)
+        )
         figures["step_calls"] = statistics.median(
             r["rows"][setup][k]["step_calls"] for r in ranks for k in range(steps)
         )
@@ -378,18 +416,20 @@ def format_table(model: str, s: dict) -> str:
         "calls",
         "MB/rank",
         "step calls",
+        "host copies",
         "bwd x",
         "own x",
         "cpu x",
         "MB x",
     )
-    widths = (13, 15, 15, 13, 13, 6, 8, 10, 6, 6, 6, 6)
+    widths = (13, 15, 15, 13, 13, 6, 8, 10, 11, 6, 6, 6, 6)
     lines = [header, " ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(columns, widths)))]
     for setup, f in s["setups"].items():
         r = f["ratio_to_stock"]
         cells = (
             setup, _ms(f["backward"]), _ms(f["step"]), _ms(f["own"]), _ms(f["own_cpu"]), f"{f['calls_per_step']:.0f}",
-            f"{f['sent_MB_per_rank']:.2f}", f"{f['step_calls']:.0f}", f"{r['backward']:.2f}", f"{r['own']:.2f}",
+            f"{f['sent_MB_per_rank']:.2f}", f"{f['step_calls']:.0f}", f"{f['host_copies']:.0f}",
+            f"{r['backward']:.2f}", f"{r['own']:.2f}",
             f"{r['own_cpu']:.2f}", f"{r['sent']:.2f}",
         )  # fmt: skip
         ops = ",".join(f"{op}={n}" for op, n in f["calls_by_op"].items() if n)
@@ -415,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--out", default=None, help="write the summary as JSON here")
     parser.add_argument(
+        "--offload", action="store_true", help="every setup offloads the optimizer to the CPU (pinned, torch AdamW)"
+    )
+    parser.add_argument(
         "--sub-groups", type=int, nargs="+", default=None, metavar="G",
         help="run the sub-group sweep instead (bench/step_sweep.py: the optimizer step at G = 1, 10, 100, 400 "
         "sub-groups on one model, flatgrad against stock); --world-size, --warmup, --steps and --out apply",
@@ -438,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     info["load_average_1min_end"] = load_average()
     summary = {model: summarize(per_rank, model) for model in args.models}
     print(machine_line(info))
-    print(f"{args.world_size} gloo ranks, {args.threads} torch thread(s) each, micro-batch {args.micro_batch}")
+    offload = ", CPU optimizer offload (pinned)" if args.offload else ""
+    print(f"{args.world_size} gloo ranks, {args.threads} torch thread(s) each, micro-batch {args.micro_batch}{offload}")
     for model in args.models:
         print()
         print(format_table(model, summary[model]))
