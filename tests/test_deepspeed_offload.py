@@ -186,7 +186,12 @@ def _transfers_rank(rank: int, world_size: int, dtype: str, gas: int) -> dict:
     fg = _engine("flatgrad", cfg)
     train(fg, batches, dtype=torch.bfloat16 if dtype == "bf16" else None)
     reducers = fg.optimizer._flatgrad.reducers
+    from flatgrad.planner.models import describe
+    from flatgrad.planner.offload import offload_copies
+
+    planned = offload_copies(describe(MLP(), order="reverse", zero3=False), world_size, bucket_numel=500, rank=rank)
     return {
+        "planned": planned._asdict(),
         "stock": sum(counts.values()),
         "stock_params_in_partition": sum(len(g) for g in stock.optimizer.params_in_partition),
         "flatgrad": sum(r.target_copies for r in reducers),
@@ -205,6 +210,11 @@ def test_host_transfers_at_most_one_per_bucket_per_window(dtype: str, gas: int):
         assert out["stock"] >= steps * out["stock_params_in_partition"], out
         expected = 0 if dtype == "fp32" else steps * out["buckets"]
         assert out["flatgrad"] == expected, out
+        # flatgrad plan --offload counts the same: stock's per-piece copies, flatgrad's per sub-group (delivered).
+        assert out["planned"]["flatgrad_zero2"] == out["buckets"], out
+        assert out["planned"]["stock_zero2"] == out["stock_params_in_partition"], out
+        if gas == 1:
+            assert out["stock"] == steps * out["planned"]["stock_zero2"], out
 
 
 def _checkpoint_rank(rank: int, world_size: int, root: str) -> dict:

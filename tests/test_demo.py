@@ -111,6 +111,11 @@ def test_losses_match_stock(small_run):
         assert all(ls[0] != ls[1] for ls in row["losses"]), "the weights must change between steps"
     assert rows["stock_zero2"]["losses"] != rows["stock_zero3"]["losses"]  # different models: not compared
     assert rows["flatgrad_zero2"]["max_loss_diff"] <= 1e-5
+    # ZeRO-Offload: flatgrad's reduction into the host partitions against stock's offload, same calls as without.
+    offload = rows["flatgrad_zero2_offload"]
+    assert offload["reference"] == "stock_zero2_offload" and offload["max_loss_diff"] <= 1e-5
+    assert offload["reductions"] == rows["flatgrad_zero2"]["reductions"]
+    assert {c["op"] for c in offload["reduction_calls_rank0"]} == {"reduce_scatter"}
     # flatgrad's ZeRO-3 keeps stock's arithmetic and collective: bitwise equal.
     assert rows["flatgrad_zero3"]["max_loss_diff"] == 0.0
     # DeepSpeed refuses its native MoE under ZeRO-3; the ZeRO-3 rows say so and train the dense model.

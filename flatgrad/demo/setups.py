@@ -3,7 +3,9 @@
 Every setup trains the same model from the same seed on the same batches;
 only the gradient reduction differs. The ``exact`` and ``int8`` rows are
 flatgrad ZeRO-2 with that reduction mode (all_to_all instead of
-reduce_scatter; ``int8`` with error feedback). Models come from ``flatgrad.planner.models``,
+reduce_scatter; ``int8`` with error feedback); the ``offload`` rows offload the
+optimizer to the CPU (pinned host partitions, torch's AdamW there), stock's
+offload against flatgrad's. Models come from ``flatgrad.planner.models``,
 the definitions ``flatgrad plan`` schedules:
 
 * ZeRO-2: ``seed-moe``, the seed thread's model (docs/design.md "The seed model"):
@@ -39,6 +41,7 @@ class Setup:
         reference: the key of the setup whose losses this one is compared with.
         options: the ``"flatgrad"`` config section of a flatgrad setup, as ``(key, value)`` pairs
             (the reduction mode; see [Note: reduction modes] in ``flatgrad/reducer/modes.py``).
+        offload: ``offload_optimizer: {device: cpu, pin_memory: true}`` (ZeRO-Offload).
     """
 
     key: str
@@ -48,6 +51,7 @@ class Setup:
     multi_rank_allreduce: bool | None
     reference: str
     options: tuple[tuple[str, Any], ...] = ()
+    offload: bool = False
 
 
 SETUPS: tuple[Setup, ...] = (
@@ -57,6 +61,9 @@ SETUPS: tuple[Setup, ...] = (
     Setup("flatgrad_zero2_exact", "flatgrad ZeRO-2, exact", 2, True, None, "stock_zero2", (("reduction", "exact"),)),
     Setup("flatgrad_zero2_int8", "flatgrad ZeRO-2, int8 + error feedback", 2, True, None, "stock_zero2",
           (("reduction", "int8"), ("error_feedback", True))),  # fmt: skip
+    Setup("stock_zero2_offload", "stock ZeRO-2, CPU offload", 2, False, True, "stock_zero2_offload", offload=True),
+    Setup("flatgrad_zero2_offload", "flatgrad ZeRO-2, CPU offload", 2, True, None, "stock_zero2_offload",
+          offload=True),  # fmt: skip
     Setup("stock_zero3", "stock ZeRO-3", 3, False, None, "stock_zero3"),
     Setup("flatgrad_zero3", "flatgrad ZeRO-3", 3, True, None, "stock_zero3"),
 )
@@ -93,6 +100,9 @@ def ds_config(setup: Setup, *, world_size: int, micro_batch: int, bucket: int, d
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": True}},
         "zero_optimization": zero,
     }
+    if setup.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host partitions, as the other rows
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype != "fp32":

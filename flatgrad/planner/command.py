@@ -9,6 +9,7 @@ rank, padding and a modelled time (text; ``--json`` and ``--plot`` as well).
     flatgrad plan mypackage.models:build --model-arg layers=4 --json plan.json --plot plan.png
     flatgrad plan llama-7b -w 8 128 1024 --modes            # flatgrad ZeRO-2 under every reduction mode
     flatgrad plan llama-7b -w 8 16 64 128 1024 --modes exact int8 --plot modes.png
+    flatgrad plan gpt2-xl -w 8 64 --offload                 # host copies per backward under optimizer offload
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from . import models, report, schedules
 from .cost import MODES, CostModel
 from .flatgrad_schedule import flatgrad_zero2
 from .memory import gradient_path_memory
+from .offload import offload_copies
 from .schedule import element_size
 
 __all__ = ["add_arguments", "run_from_args"]
@@ -67,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of the schedule table: flatgrad ZeRO-2 under each reduction mode (default: all "
                              f"of {', '.join(MODES)}), its bytes, alpha and bandwidth terms, and who wins")
     parser.add_argument("--block", type=_positive_int, default=256, help="int8/fp8 elements per scale (default 256)")
+    parser.add_argument("--offload", action="store_true",
+                        help="instead of the schedule table: host copies per backward under CPU optimizer offload, "
+                             "stock's against flatgrad's (see [Note: offload copies])")
     parser.add_argument("--json", metavar="FILE", help="write the full report, every call included, as JSON ('-' for stdout)")
     parser.add_argument("--plot", metavar="FILE.png", help="write a chart: calls, modelled time, call sizes")
 
@@ -82,6 +87,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         kwargs = models.parse_model_args(args.model_arg)
         if args.modes is not None:
             return _run_modes(args, cost, kwargs)
+        if args.offload:
+            return _run_offload(args, kwargs)
         stages = (2, 3) if args.stage == "all" else (int(args.stage),)
         spec = models.load(args.model, order=args.order, zero3=3 in stages, **kwargs)
         modes = {"true": (True,), "false": (False,), "both": (False, True)}[args.use_multi_rank_bucket_allreduce]
@@ -165,3 +172,32 @@ def _run_modes(args: argparse.Namespace, cost: CostModel, kwargs: dict) -> int:
         args, doc, lambda: report.modes_text(spec, runs, cost, config),
         lambda path: report.modes_plot(path, spec, runs, cost),
     )  # fmt: skip
+
+
+def _run_offload(args: argparse.Namespace, kwargs: dict) -> int:
+    """``flatgrad plan --offload``: host copies of one backward at the boundary, per world size."""
+    spec = models.load(args.model, order=args.order, zero3=False, **kwargs)
+    rows = []
+    for world_size in args.world_size:
+        if not 0 <= args.rank < world_size:
+            raise ValueError(f"--rank {args.rank} is not a rank of world size {world_size}")
+        copies = offload_copies(spec, world_size, bucket_numel=args.bucket, rank=args.rank)
+        rows.append({"world_size": world_size, **copies._asdict()})
+    doc = {"model": {"name": spec.name, "trainable_numel": spec.numel}, "bucket": args.bucket, "rank": args.rank,
+           "offload_copies": rows}  # fmt: skip
+
+    def text() -> str:
+        lines = [
+            f"{spec.name}: {spec.numel:,} trainable elements, bucket {args.bucket:,}; host copies of rank {args.rank} "
+            "in one backward at the boundary under CPU optimizer offload",
+            f"{'W':>6} {'stock ZeRO-1/2':>15} {'flatgrad ZeRO-1/2 (GPU)':>24} {'(CPU)':>6} {'stock ZeRO-3':>13}",
+        ]
+        for r in rows:
+            lines.append(
+                f"{r['world_size']:>6} {r['stock_zero2']:>15,} {r['flatgrad_zero2']:>24,} {0:>6} {r['stock_zero3']:>13,}"
+            )
+        lines.append("stock: one copy per parameter piece of the rank's partition (ZeRO-3: per parameter with data "
+                     "there); flatgrad: one per bucket-sized sub-group on a GPU rank, none on a CPU rank (in place)")
+        return "\n".join(lines) + "\n"
+
+    return _emit(args, doc, text, lambda path: None)

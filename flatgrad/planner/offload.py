@@ -1,0 +1,61 @@
+"""Host copies per backward under optimizer offload: stock DeepSpeed's per-parameter copies against flatgrad's.
+
+[Note: offload copies]
+Under ``offload_optimizer: {device: cpu}`` the reduced gradient of a rank's
+partition moves into the host fp32 partition at the accumulation boundary.
+
+* Stock ZeRO-1/2 copies once per parameter piece of the rank's partition of every
+  param group (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``); accumulating,
+  every micro-step also copies each such parameter's whole gradient to a host
+  buffer (``async_accumulate_grad_in_cpu_via_gpu``) and, after the first, back.
+* Stock ZeRO-3 copies once per parameter with data in the rank's partition
+  (``_offload_grad_partition_at_boundary``).
+* flatgrad ZeRO-1/2 makes one copy per bucket-sized sub-group on a GPU rank, at the
+  window's last micro-step only ([Note: shard targets]); on a CPU rank accumulating
+  in fp32 it makes none, the unpack writing the host partition in place.
+
+``offload_copies`` counts them for one backward at the boundary with no
+accumulation, from the same partitions and sub-groups as the schedules.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .flatgrad_schedule import sub_groups
+from .models import ModelSpec
+from .stock import check_args, partitions
+
+__all__ = ["OffloadCopies", "offload_copies"]
+
+
+class OffloadCopies(NamedTuple):
+    """Host copies of one backward at the boundary, on one rank.
+
+    Attributes:
+        stock_zero2: stock ZeRO-1/2's copies (one per parameter piece of the rank's partitions).
+        flatgrad_zero2: flatgrad ZeRO-1/2's on a GPU rank (one per sub-group; 0 on a CPU rank, in place).
+        stock_zero3: stock ZeRO-3's (one per parameter with data in the rank's partition).
+    """
+
+    stock_zero2: int
+    flatgrad_zero2: int
+    stock_zero3: int
+
+
+def offload_copies(spec: ModelSpec, world_size: int, *, bucket_numel: int, rank: int = 0) -> OffloadCopies:
+    """The host copies of ``rank`` in one backward at the boundary. See [Note: offload copies]."""
+    check_args(spec, world_size, rank, bucket_numel)
+    stock2 = 0
+    for part in partitions(spec, world_size, rank):
+        me = part.group.index(rank)
+        start, stop = me * part.partition_size, (me + 1) * part.partition_size
+        for k, i in enumerate(part.params):
+            offset = part.offsets[k]
+            stock2 += offset < stop and offset + spec.params[i].numel > start
+    stock3 = 0
+    for p in spec.params:
+        if p.requires_grad and p.numel > 0:
+            chunk = -(-p.numel // world_size)
+            stock3 += chunk * rank < p.numel
+    return OffloadCopies(stock2, len(sub_groups(spec, bucket_numel)), stock3)
