@@ -1,0 +1,99 @@
+"""Hugging Face ``Trainer`` with the Transformers DeepSpeed guide's ZeRO-2 example config (optimizer offload),
+unchanged, on 2 real gloo ranks: stock DeepSpeed against ``flatgrad.deepspeed.patch()``.
+
+The config below is the guide's ZeRO-2 example as a user copies it: CPU optimizer
+offload with pinned memory, ``overlap_comm``, and ``"auto"`` for everything the
+``Trainer`` fills in. The model is a small GPT-2 built from its config (no download).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from _ds import launch
+
+pytestmark = pytest.mark.multiproc
+
+transformers = pytest.importorskip("transformers", reason="the Trainer tests need the transformers package")
+pytest.importorskip("accelerate", reason="transformers' DeepSpeed integration needs the accelerate package")
+
+HF_ZERO2_OFFLOAD = {
+    "fp16": {
+        "enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {
+        "type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}  # fmt: skip
+
+
+def _trainer_rank(rank: int, world_size: int, root: str, ds_config: dict) -> dict:
+    import os
+
+    import torch
+
+    import flatgrad.deepspeed as fds
+
+    out = {}
+    for kind in ("stock", "flatgrad"):
+        if kind == "flatgrad":
+            fds.patch()
+        from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+        gen = torch.Generator().manual_seed(0)
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(128, (64, 16), generator=gen)]
+        args = TrainingArguments(
+            output_dir=os.path.join(root, kind), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            max_steps=6, learning_rate=1e-3, warmup_steps=2, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+            report_to=[], use_cpu=True, seed=0, data_seed=0, deepspeed=copy.deepcopy(ds_config),
+            disable_tqdm=True,
+        )  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        engine = trainer.model_wrapped
+        out[kind] = {
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "flatgrad": getattr(engine.optimizer, "_flatgrad", None) is not None,
+            "offload": bool(getattr(engine.optimizer, "cpu_offload", False)),
+            "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        }
+        if kind == "flatgrad":
+            fds.unpatch()
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_trainer_with_the_guides_zero2_offload_config_engages_flatgrad_and_trains_like_stock(tmp_path):
+    for out in launch(_trainer_rank, 2, str(tmp_path), HF_ZERO2_OFFLOAD, timeout=580):
+        stock, fg = out["stock"], out["flatgrad"]
+        assert stock["offload"] and fg["offload"]
+        assert not stock["flatgrad"] and fg["flatgrad"], "flatgrad did not take the Trainer's engine"
+        assert len(fg["losses"]) == len(stock["losses"]) == 6
+        # The Trainer logs losses to 4 decimals: the weights after 6 steps carry the finer comparison. Both run
+        # DeepSpeedCPUAdam, whose scalar tail rounds unlike its vector body (tests/test_deepspeed_offload.py).
+        assert max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], fg["losses"])) <= 1e-5, (stock, fg)
+        worst = max(
+            ((stock["params"][n] - p).abs().max() / stock["params"][n].abs().max()).item() for n, p in fg["params"].items()
+        )
+        assert worst <= 1e-5, worst
