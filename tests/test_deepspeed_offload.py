@@ -280,3 +280,33 @@ def test_nvme_offload_is_refused_naming_the_key():
     for out in launch(_refusal_rank, 2, timeout=50):
         expected = "NVMe optimizer offload ('zero_optimization.offload_optimizer.device' = 'nvme')"
         assert expected in out["explicit"] and expected in out["route"], out
+
+
+def _missing_host_partition_rank(rank: int, world_size: int) -> str:
+    """Rank 1's host gradient partitions are gone when flatgrad takes the engine over (DeepSpeed built them, then
+    they were dropped): flatgrad's setup check fails there, and every rank must raise, none wait."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    stock_init = DeepSpeedZeroOptimizer.__init__
+
+    def lose_them(self, *args, **kwargs):
+        stock_init(self, *args, **kwargs)
+        if rank == 1:
+            for master in self.single_partition_of_fp32_groups:
+                master.grad = None
+
+    DeepSpeedZeroOptimizer.__init__ = lose_them
+    try:
+        _engine("flatgrad", _offload_config(2, 1, world_size, 0.0, True))
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        DeepSpeedZeroOptimizer.__init__ = stock_init
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_host_partition_raises_on_every_rank_not_a_hang():
+    errors = launch(_missing_host_partition_rank, 2, timeout=50)
+    assert "has no host gradient partition" in errors[1], errors
+    assert "rank 1" in errors[0] and "has no host gradient partition" in errors[0], errors
