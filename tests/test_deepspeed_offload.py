@@ -1,7 +1,7 @@
 """ZeRO-1/2 with CPU optimizer offload under flatgrad, against stock DeepSpeed's offload on real gloo ranks.
 
 Under offload the reducers' shards are the optimizer's host fp32 gradient partitions
-(``zero2/reduction.py``, [Note: ZeRO-Offload]); the step is stock's.
+(``zero2/reduction.py``, [Note: ZeRO-Offload]); the step is flatgrad's, with stock's arithmetic.
 """
 
 from __future__ import annotations

@@ -23,9 +23,11 @@ partition to its reducer as the bucket's shard target (see [Note: shard targets]
 ``flatgrad/reducer/shards.py``): the fused unpack writes into it in place on a CPU
 rank with fp32 accumulation, else the window's shard is delivered by one copy per
 bucket as the last micro-step unpacks it. Accumulation follows [Note: accumulation
-dtype]. The step is stock's offload step; its norm and overflow are flatgrad's
-replaced ones, the clipping norm rooted as stock's offload path roots it (see
-[Note: stock clipping norm]). A checkpoint load that gives a master partition a new
+dtype]. The step is flatgrad's (see [Note: ZeRO-2 step]) over the host
+partitions: one optimizer call on the host for all sub-groups, one copy into the
+bit16 partitions, the coalesced parameter all_gathers; stock's arithmetic, the
+clipping norm rooted as stock's offload path roots it (see [Note: stock clipping
+norm]). A checkpoint load that gives a master partition a new
 ``.grad`` gets the reducers' target put back at the hand-over.
 
 [Note: ZeRO-2 memory]

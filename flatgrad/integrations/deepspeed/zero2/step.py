@@ -55,9 +55,9 @@ class Zero2Step:
         """Replaces ``step``: stock's update in one optimizer call for all sub-groups, then release the partitions.
 
         See [Note: ZeRO-2 step]. Without a hand-over to consume (a step with no
-        backward), and under optimizer offload (see [Note: ZeRO-Offload]), it is stock's step.
+        backward) it is stock's step.
         """
-        if self.partitions is None or not self._handed_over() or self.offload:
+        if self.partitions is None or not self._handed_over():
             if self.arenas is not None:
                 self.arenas.unshare()
             result = self._stock_step(closure)
@@ -71,7 +71,7 @@ class Zero2Step:
         return None
 
     def _step(self) -> None:
-        """DeepSpeed 0.19's ZeRO-1/2 ``step()`` (no offload, no Muon: both refused), with its per-group loop merged."""
+        """DeepSpeed 0.19's ZeRO-1/2 ``step()`` (CPU offload too; no Muon: refused), with its per-group loop merged."""
         from deepspeed.runtime.utils import is_invalid_grad_norm
         from deepspeed.runtime.zero.stage_1_and_2 import (
             INITIAL_MICRO_STEP_ID,
@@ -130,7 +130,7 @@ class Zero2Step:
             self._optimizer_step_all()
         o._lazy_init_hp_params_optimizer_state()
         del grads, arena_grads  # the partitions go with self.release() below, as stock frees its gradients there
-        if not stepped:  # the arenas set no sub-group's .grad
+        if not stepped and not self.offload:  # the arenas set no .grad; offload keeps its host partitions there
             for part in o.single_partition_of_fp32_groups:
                 part.grad = None
         if self._gather_from_arenas:  # the gather writes the bit16 partitions: see [Note: ZeRO-2 step]
