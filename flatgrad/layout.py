@@ -30,6 +30,17 @@ one device copy of each (see ``flatgrad.kernels._tables``):
 Runs may be split to at most ``max_len`` elements so that every run is one
 unit of parallel work (a CUDA block, a Triton program, a CPU task).
 
+[Note: segment order]
+A two-stage reduction (see [Note: two-stage reductions] in
+``flatgrad/reducer/topology.py``) reduce-scatters within a node, then over a
+rail; each stage hands rank ``k`` of its group the ``k``-th equal chunk of
+what it reduces. For rank ``g`` to end with its own segment, the pack writes
+segment ``g`` at the buffer position those two splits leave on ``g``:
+``positions[g]``. ``Layout.reordered(positions)`` is the same layout with the
+pack's run table cut at segment boundaries and moved there (at plan time; the
+kernels read runs as ever). ``pieces`` and the unpack, which see one shard,
+are unchanged.
+
 This module knows nothing of torch.distributed, DeepSpeed or kernels.
 """
 
@@ -89,6 +100,9 @@ class Layout:
             each tensor's chunk starts inside every segment.
         chunk_numels: chunked only: each tensor's chunk size (padding included);
             for flat layouts, empty.
+        positions: where each rank's segment lies in the buffer, in segments (empty: rank ``r``'s
+            at ``r``). Only the pack's buffer is reordered; a shard is the same. See
+            [Note: segment order].
     """
 
     kind: str
@@ -98,10 +112,13 @@ class Layout:
     shard_numel: int
     offsets: tuple[int, ...]
     chunk_numels: tuple[int, ...]
+    positions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.positions and sorted(self.positions) != list(range(self.world_size)):
+            raise ValueError(f"positions must be a permutation of range({self.world_size}), got {self.positions}")
         # Tables are cached per layout on every call; hash the (possibly long) numels once.
-        object.__setattr__(self, "_hash", hash((self.kind, self.numels, self.world_size, self.align)))
+        object.__setattr__(self, "_hash", hash((self.kind, self.numels, self.world_size, self.align, self.positions)))
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined]
@@ -143,6 +160,19 @@ class Layout:
         if kind not in _KINDS:
             raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
         return getattr(cls, kind)(numels, world_size, align)
+
+    def reordered(self, positions: Sequence[int]) -> "Layout":
+        """This layout with rank ``r``'s segment at position ``positions[r]`` of the buffer. See [Note: segment order]."""
+        positions = tuple(_check_int(f"positions[{r}]", p, 0) for r, p in enumerate(positions))
+        if len(positions) != self.world_size:
+            raise ValueError(f"positions must have one entry per rank ({self.world_size}), got {len(positions)}")
+        if positions == tuple(range(self.world_size)):
+            positions = ()
+        return dataclasses.replace(self, positions=positions)
+
+    def position(self, rank: int) -> int:
+        """Where ``rank``'s segment lies in the buffer, in segments."""
+        return self.positions[rank] if self.positions else rank
 
     @property
     def numel(self) -> int:
@@ -225,7 +255,23 @@ class Layout:
             padding = table[:, 4] == 0  # all-padding chunks read nothing
             table[padding, 1] = -1
             table[padding, 2] = 0
+        if self.positions:
+            table = self._reorder_runs(table)
         return _split_runs(table, max_len, length_col=3, valid_col=4, offset_cols=(0, 2))
+
+    def _reorder_runs(self, table: torch.Tensor) -> torch.Tensor:
+        """Pack runs cut at segment boundaries and moved to their segments' positions, in buffer order."""
+        s = self.shard_numel
+        rows = []
+        for dst, t, src, length, valid in table.tolist():
+            while length > 0:
+                segment, offset = divmod(dst, s)
+                n = min(length, s - offset)
+                v = min(valid, n)
+                rows.append((self.positions[segment] * s + offset, t if v else -1, src if v else 0, n, v))
+                dst, src, length, valid = dst + n, src + n, length - n, valid - v
+        rows.sort()
+        return torch.tensor(rows, dtype=torch.int64).reshape(-1, 5)
 
     def unpack_runs(self, rank: int, max_len: int | None = None, *, per_piece: bool = True) -> torch.Tensor:
         """The unpack run table of ``rank``, int64 ``[R, 4]`` on CPU. See [Note: run tables].
@@ -247,6 +293,8 @@ class Layout:
     def digest(self) -> str:
         """A short hash of everything that defines the layout, for cross-rank agreement."""
         text = f"{self.kind}|{self.world_size}|{self.align}|{','.join(map(str, self.numels))}"
+        if self.positions:
+            text += f"|{','.join(map(str, self.positions))}"
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 

@@ -43,7 +43,7 @@ def pack(tensors: Sequence[torch.Tensor | None], layout: Layout, out: torch.Tens
             if tensors[p.tensor_index] is None:
                 continue
             src = tensors[p.tensor_index].reshape(-1)[p.tensor_offset : p.tensor_offset + p.length]
-            begin = rank * s + p.shard_offset
+            begin = layout.position(rank) * s + p.shard_offset
             out[begin : begin + p.length] = _scaled(src, out.dtype, scale)
 
 

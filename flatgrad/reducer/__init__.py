@@ -8,13 +8,17 @@ disagree on the buckets.
 """
 
 from .agreement import LayoutMismatchError, agree, agreement_device
-from .config import REDUCTIONS, ReducerConfig
+from .config import REDUCTIONS, TWO_STAGE_REDUCTIONS, ReducerConfig
 from .bucket import Bucket
-from .modes import DividedReduceScatter, ExactSum, QuantizedWire, ReduceScatter, ReductionMode, make_mode
+from .modes import (
+    DividedReduceScatter, ExactSum, QuantizedWire, ReduceScatter, ReductionMode, StagedWork, TwoStageReduceScatter, make_mode,
+)  # fmt: skip
+from .topology import Topology, default_node_size, plan_topology, two_stage_positions
 from .reducer import BucketReducer, GradShard, build_buckets
 from .shards import ArenaShards, OwnShards, ShardStore, TargetShards
 
 __all__ = [
     "ArenaShards", "Bucket", "BucketReducer", "DividedReduceScatter", "ExactSum", "GradShard", "LayoutMismatchError", "OwnShards", "QuantizedWire", "REDUCTIONS", "ReduceScatter",
-    "ReducerConfig", "ReductionMode", "ShardStore", "TargetShards", "agree", "agreement_device", "build_buckets", "make_mode",
+    "ReducerConfig", "ReductionMode", "ShardStore", "StagedWork", "TargetShards", "TWO_STAGE_REDUCTIONS", "Topology", "TwoStageReduceScatter", "agree",
+    "agreement_device", "build_buckets", "default_node_size", "make_mode", "plan_topology", "two_stage_positions",
 ]  # fmt: skip

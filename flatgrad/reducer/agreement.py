@@ -4,7 +4,7 @@
 A wrong layout on one rank would reduce mismatched elements or hang. At
 construction the ranks all_gather a fixed-size digest of (world size, bucket
 count, per bucket: layout kind, alignment, comm dtype, op, and every param's
-shape and dtype), plus a flag for a local setup error. If all agree, that is the
+shape and dtype; a two-stage reduction's node size), plus a flag for a local setup error. If all agree, that is the
 only collective. Otherwise they all_gather the full descriptions and every rank
 raises the same ``LayoutMismatchError`` naming the first differing bucket and
 parameter; a rank whose own setup failed raises its error and the others name
@@ -95,8 +95,9 @@ def _first_difference(base: list[tuple], desc: list[tuple], other: int) -> str:
                 return f"bucket {b} param {i} has shape {s0} {d0} on rank 0 but shape {s1} {d1} on rank {other}"
         if len(params0) != len(params1):
             return f"bucket {b} has {len(params0)} params on rank 0 and {len(params1)} on rank {other}"
-        names = ("layout", "align", "comm dtype", "reduce op", "reduce_scatter method", "reduction")
-        for name, v0, v1 in zip(names, settings0, settings1):
+        names = ("layout", "align", "comm dtype", "reduce op", "reduce_scatter method", "reduction", "node_size")
+        causes = sorted(zip(names, settings0, settings1), key=lambda row: row[0] not in ("node_size", "reduction"))
+        for name, v0, v1 in causes:  # the node size and the reduction decide the op: name them first
             if v0 != v1:
                 return f"bucket {b} uses {name} {v0} on rank 0 but {v1} on rank {other}"
     return f"rank 0 and rank {other} differ"

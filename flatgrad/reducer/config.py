@@ -9,10 +9,11 @@ import torch
 from ..kernels import DTYPES
 from ..kernels import wire
 
-__all__ = ["LAYOUT_KINDS", "REDUCTIONS", "ReducerConfig"]
+__all__ = ["LAYOUT_KINDS", "REDUCTIONS", "TWO_STAGE_REDUCTIONS", "ReducerConfig"]
 
 LAYOUT_KINDS = ("flat", "chunked")
-REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8")
+TWO_STAGE_REDUCTIONS = ("2d_reduce_scatter",)
+REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", *TWO_STAGE_REDUCTIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +40,13 @@ class ReducerConfig:
             non-finite count of the shard it wrote, for the gradient norm and the overflow check
             without reading the shards again.
         reduction: ``"reduce_scatter"`` (the default), or one of the all_to_all modes of
-            [Note: reduction modes]: ``"exact"``, ``"int8"``, ``"fp8"``.
+            [Note: reduction modes]: ``"exact"``, ``"int8"``, ``"fp8"``, or the two-stage
+            ``"2d_reduce_scatter"`` (node stage, then rail stage; see [Note: two-stage reductions]).
         block: int8/fp8: elements per fp32 scale, a power of two in [32, 4096].
         error_feedback: int8/fp8: carry each rank's quantization error into its next pack.
+        node_size: two-stage reductions: ranks per node (``None``: the launcher's
+            ``LOCAL_WORLD_SIZE``, else the world size); it must divide the world size and equal
+            ``LOCAL_WORLD_SIZE`` where that is set.
     """
 
     comm_dtype: torch.dtype | None = None
@@ -58,6 +63,7 @@ class ReducerConfig:
     reduction: str = "reduce_scatter"
     block: int = 256
     error_feedback: bool = False
+    node_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUT_KINDS:
@@ -81,6 +87,11 @@ class ReducerConfig:
             wire.check_kind(self.reduction, "reduction")
         elif self.error_feedback:
             raise ValueError(f"error_feedback needs reduction 'int8' or 'fp8', not {self.reduction!r}")
+
+        if self.node_size is not None and (
+            isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1
+        ):
+            raise ValueError(f"node_size must be an int >= 1 or None, got {self.node_size!r}")
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

@@ -26,6 +26,17 @@ mode it runs; adding a mode is one new class here plus its kernels.
   fp32 residual per bucket (``layout.numel`` elements) carries this rank's
   quantization error into its next quantize.
 
+* ``"2d_reduce_scatter"`` (``TwoStageReduceScatter``): the comm-dtype buffer,
+  packed in the two-stage order (see [Note: segment order] in
+  ``flatgrad/layout.py``), one in-place reduce_scatter in the node group, then
+  one in-place reduce_scatter of this rank's node chunk in the rail group, and
+  the unpack of ``ReduceScatter``. The groups: [Note: two-stage reductions] in
+  ``flatgrad/reducer/topology.py``. ``start`` returns a ``StagedWork`` that
+  starts the rail stage once the node stage is complete: on gloo when the
+  reducer finds the node stage done (``is_completed``) or waits for it, so the
+  node stage of a later bucket runs while this one's rail stage is in flight;
+  on CUDA from the unpack stream, after the node stage's ``wait``.
+
 On a one-rank group nothing is sent, so every mode takes the reduce_scatter
 path (a copy through the comm dtype): a quantized wire would only add its
 rounding, and error feedback would carry it. That is the MoE expert group of
@@ -44,6 +55,7 @@ covers them too.
 from __future__ import annotations
 
 import abc
+import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -53,12 +65,16 @@ from .. import comm
 from ..kernels import PackPlan, UnpackPlan
 from ..kernels import wire
 from ..layout import Layout
-from .config import ReducerConfig
+from .config import TWO_STAGE_REDUCTIONS, ReducerConfig
+from .topology import Topology
 
 if TYPE_CHECKING:
     from .bucket import Bucket
 
-__all__ = ["DividedReduceScatter", "ExactSum", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "make_mode"]
+__all__ = [
+    "DividedReduceScatter", "ExactSum", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "StagedWork",
+    "TwoStageReduceScatter", "make_mode",
+]  # fmt: skip
 
 PoolSlot = tuple[str, int, torch.dtype]  # (purpose, elements per buffer, dtype)
 
@@ -89,6 +105,9 @@ class ReductionMode(abc.ABC):
     def residual(self, layout: Layout, device: torch.device) -> torch.Tensor | None:
         """The persistent per-bucket state this mode carries between steps (``None``: none)."""
         return None
+
+    def connect(self) -> None:
+        """Make the process groups the mode needs (none here); called once the ranks agreed on the buckets."""
 
     def prepare(self, b: "Bucket") -> None:
         """Resolve at construction what the bucket's unpack needs, so that a missing kernel fails there."""
@@ -236,13 +255,115 @@ class QuantizedWire(ReductionMode):
         )
 
 
-def make_mode(config: ReducerConfig, world_size: int) -> ReductionMode:
-    """The mode ``config`` names, for a group of ``world_size`` ranks.
+class StagedWork:
+    """The work handle of a two-stage collective: the second stage starts once the first is complete.
+
+    ``is_completed()`` starts the second stage when it finds the first done (without blocking);
+    ``wait()`` waits for the first, starts the second if need be and waits for it.
+    """
+
+    __slots__ = ("_first", "_second", "_start")
+
+    def __init__(self, first: Any, start_second: Any) -> None:
+        self._first = first
+        self._start = start_second
+        self._second: Any = None
+
+    def _advance(self) -> None:
+        if self._start is not None:
+            if self._first is not None:
+                self._first.wait()
+            start, self._start = self._start, None
+            self._second = start()
+
+    def is_completed(self) -> bool:
+        """Whether both stages are done; starts the second stage once the first is."""
+        if self._start is not None:
+            if self._first is not None and not self._first.is_completed():
+                return False
+            self._advance()
+        return self._second is None or self._second.is_completed()
+
+    def wait(self) -> bool:
+        """Wait for both stages (on CUDA, order the current stream after them)."""
+        self._advance()
+        if self._second is not None:
+            self._second.wait()
+        return True
+
+
+class TwoStageReduceScatter(ReduceScatter):
+    """Comm-dtype buffer in the two-stage order: reduce_scatter in the node, then over the rail; in place."""
+
+    name = "2d_reduce_scatter"
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.node_group: dist.ProcessGroup | None = None
+        self.rail_group: dist.ProcessGroup | None = None
+
+    def describe(self) -> tuple:
+        return (*super().describe(), f"node_size={self.topology.node_size}")
+
+    def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
+        # bf16: an AVG in each stage would round each division to bf16; the sums run in bf16 and the
+        # 1/W is one fp32 multiply in the unpack. Otherwise as ReduceScatter (AVG per stage where the
+        # backend has it: 1/L then 1/N; fp16: the split of [Note: averaging], a SUM in both stages).
+        if average and dtype == torch.bfloat16:
+            return ReductionMode.averaging(self, average, world_size, dtype, group, device)
+        return super().averaging(average, world_size, dtype, group, device)
+
+    def connect(self) -> None:
+        self.node_group, self.rail_group = self.topology.groups()
+
+    def pack_plan(self, layout, count, dtype, device, backend) -> Any:
+        ordered = layout.reordered(self.topology.positions)
+        return PackPlan(ordered, [None] * count, dtype=dtype, device=device, backend=backend)
+
+    def bind(self, b, purpose, buffer, rank, world_size) -> None:
+        t, s = self.topology, b.layout.shard_numel
+        b.input = buffer.narrow(0, 0, b.layout.numel)
+        b.stage = b.input.narrow(0, t.local * t.num_nodes * s, t.num_nodes * s)  # this rank's node chunk
+        b.output = b.stage.narrow(0, t.node * s, s)  # this rank's rail chunk of it: its own segment
+        lists = b.method == "list"
+        b.input_chunks = list(b.input.chunk(t.local_size)) if lists else None
+        b.stage_chunks = list(b.stage.chunk(t.num_nodes)) if lists else None
+
+    def start(self, b, group, collectives) -> Any:
+        first = comm.reduce_scatter(
+            b.stage, b.input, group=self.node_group, op=b.op, async_op=True, method=b.method,
+            input_chunks=b.input_chunks, collectives=collectives,
+        )  # fmt: skip
+
+        def rail() -> Any:
+            return comm.reduce_scatter(
+                b.output, b.stage, group=self.rail_group, op=b.op, async_op=True, method=b.method,
+                input_chunks=b.stage_chunks, collectives=collectives,
+            )  # fmt: skip
+
+        return StagedWork(first, rail)
+
+
+def make_mode(config: ReducerConfig, world_size: int, topology: Topology | None = None) -> ReductionMode:
+    """The mode ``config`` names, for a group of ``world_size`` ranks placed on nodes as ``topology`` says.
 
     A one-rank group sends nothing, so every mode is ``ReduceScatter`` there (see [Note: reduction modes]).
+    A two-stage mode needs ``topology``; on one node, or with one rank per node, it is the flat mode,
+    with a warning (see [Note: two-stage reductions]).
     """
     if world_size == 1 or config.reduction == "reduce_scatter":
         return ReduceScatter()
+    if config.reduction in TWO_STAGE_REDUCTIONS:
+        if topology is None:
+            raise ValueError(f"reduction {config.reduction!r} needs the group's topology (node and rail placement)")
+        if not topology.two_stage:
+            warnings.warn(
+                f"flatgrad: reduction {config.reduction!r} on {topology.num_nodes} node(s) of {topology.local_size} "
+                f"rank(s) has one stage only; running 'reduce_scatter' (node_size={topology.node_size})",
+                stacklevel=3,
+            )
+            return ReduceScatter()
+        return TwoStageReduceScatter(topology)
     if config.reduction == "exact":
         return ExactSum()
     return QuantizedWire(config.reduction, config.block, config.error_feedback)

@@ -108,8 +108,9 @@ from ..kernels import DTYPES, resolve_backend
 from ..layout import Layout, Piece, split_numels
 from .agreement import LayoutMismatchError, agree, agreement_device
 from .bucket import Bucket, describe_param
-from .config import ReducerConfig
+from .config import TWO_STAGE_REDUCTIONS, ReducerConfig
 from .modes import make_mode
+from .topology import Topology, plan_topology
 from .pool import CommPools
 from .shards import TargetShards, arena_offsets, check_targets, make_store
 
@@ -212,6 +213,8 @@ class BucketReducer:
         shard_bytes: bytes the reducer allocates for the shards of one accumulation window (held only
             during one; with ``shard_targets``, only for the targets not written in place).
         residual_bytes: bytes of the error-feedback residuals (held all the time; 0 without).
+        topology: a two-stage reduction's placement of the group's ranks on nodes (``None`` for
+            the flat modes); see [Note: two-stage reductions] in ``flatgrad.reducer.topology``.
     """
 
     def __init__(
@@ -237,12 +240,16 @@ class BucketReducer:
             raise ValueError("this process is not a member of process_group")
         local_error: Exception | None = None
         description: list[tuple] = []
+        self.topology: Topology | None = None
         try:
             config = _config(config, options)
             if collectives is not None and not isinstance(collectives, comm.Collectives):
                 raise TypeError(f"collectives must be a flatgrad.comm.Collectives or None, got {type(collectives).__name__}")
             self.config = config
-            self.mode = make_mode(config, self.world_size)
+            if config.reduction in TWO_STAGE_REDUCTIONS and self.world_size > 1:
+                members = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+                self.topology = plan_topology(config.node_size, members, dist.get_world_size(), self.rank)
+            self.mode = make_mode(config, self.world_size, self.topology)
             specs = self._describe_buckets(buckets, register_hooks)
             offsets = arena_offsets(shard_arena, [s.layout for s in specs], [s.device for s in specs])
             check_targets(shard_targets, [s.layout for s in specs], shard_arena)
@@ -253,6 +260,7 @@ class BucketReducer:
             agree(process_group, self.rank, self.world_size, description, local_error, agreement_device(process_group))
         if local_error is not None:
             raise local_error
+        self.mode.connect()  # every rank agreed on the mode (and its node size): the groups it needs
         self.accum_dtype = config.accum_dtype
         self.collect_stats = bool(config.collect_stats)
         self._collectives = collectives
@@ -322,6 +330,7 @@ class BucketReducer:
             backend = getattr(resolve_backend(cfg.backend, device), "name", None)
             description = (
                 cfg.layout, cfg.align, str(dtype), str(avg.op), method, self.mode.describe(),
+                None if self.topology is None else self.topology.node_size,
                 tuple((tuple(p.shape), str(p.dtype)) for p in params),
             )  # fmt: skip
             specs.append(_BucketSpec(tuple(params), layout, device, dtype, avg, method, backend, description))

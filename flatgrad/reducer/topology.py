@@ -1,0 +1,133 @@
+"""Node and rail groups of a process group, for the two-stage reductions.
+
+[Note: two-stage reductions]
+Across nodes a flat reduce_scatter sends every rank's ``(W - 1) / W`` of the
+bucket over the network. A two-stage reduction first reduces within the node
+(the L ranks that share one, over the fast local links), then over the *rail*
+(the N ranks with the same local rank, one per node): each rank then sends
+only ``(N - 1) / W`` of the bucket across a node boundary.
+
+* The groups: a member of the reducer's process group is at node
+  ``global_rank // node_size`` (``node_size``: ranks per node, the launcher's
+  ``LOCAL_WORLD_SIZE`` by default, else the whole world). Its node group is the
+  group's members on its node, its rail group the members with its local
+  index (its place among its node's members, by global rank) on every node.
+  Every node must hold the same number of members; for the whole world that
+  is ``node_size`` dividing the world size. The same construction serves a
+  subgroup (an expert-data-parallel group of MoE): its members on a node form
+  its node group.
+* The order (see [Note: segment order] in ``flatgrad/layout.py``): the node
+  stage gives the member of local index ``l`` the ``l``-th of L equal chunks,
+  the rail stage gives the member on node ``n`` the ``n``-th of N chunks of
+  that, so the pack writes the segment of the member at ``(n, l)`` at
+  position ``l * N + n``.
+* Validation, on every rank: ``node_size`` must be an int >= 1 that divides
+  the world size and, when ``LOCAL_WORLD_SIZE`` is set, equal it. A bad value
+  is a local error; the reducer's agreement (see [Note: layout agreement])
+  exchanges every rank's ``node_size`` (in the mode's description) and every
+  local error before any group is made, so every rank raises and none hangs
+  in the group construction.
+* One node, or one rank per node: one of the stages is empty and the
+  two-stage mode is the flat one. The reducer then runs the flat mode and
+  warns (see ``make_mode``).
+* The groups are made once per reducer, after the agreement, with
+  ``use_local_synchronization`` (only their members take part), node groups
+  first, then rail groups, so that every rank makes them in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+__all__ = ["Topology", "default_node_size", "plan_topology", "two_stage_positions"]
+
+
+class Topology(NamedTuple):
+    """Where the members of a process group sit on nodes; see [Note: two-stage reductions].
+
+    Attributes:
+        node_size: ranks per physical node (the config's ``node_size``).
+        num_nodes: N, the nodes the group spans.
+        local_size: L, the group's members on each node.
+        node: this rank's node index in the group (0..N-1).
+        local: this rank's local index (0..L-1).
+        node_ranks: global ranks of this rank's node group, ascending.
+        rail_ranks: global ranks of this rank's rail group, ascending (node order).
+        positions: per group rank, where its segment lies in the packed buffer.
+    """
+
+    node_size: int
+    num_nodes: int
+    local_size: int
+    node: int
+    local: int
+    node_ranks: tuple[int, ...]
+    rail_ranks: tuple[int, ...]
+    positions: tuple[int, ...]
+
+    @property
+    def two_stage(self) -> bool:
+        """Whether both stages have more than one rank (else the two-stage mode is the flat one)."""
+        return self.num_nodes > 1 and self.local_size > 1
+
+    def groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """Make this rank's (node group, rail group); every member of the parent group calls this, in one order."""
+        node = dist.new_group(list(self.node_ranks), use_local_synchronization=True)
+        rail = dist.new_group(list(self.rail_ranks), use_local_synchronization=True)
+        return node, rail
+
+
+def default_node_size(world_size: int) -> int:
+    """The launcher's ``LOCAL_WORLD_SIZE``, or ``world_size`` where it is unset."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else world_size
+
+
+def two_stage_positions(num_nodes: int, local_size: int) -> tuple[int, ...]:
+    """Per group rank ``n * L + l`` (nodes in order), its segment's position ``l * N + n``."""
+    return tuple(l * num_nodes + n for n in range(num_nodes) for l in range(local_size))
+
+
+def plan_topology(
+    node_size: int | None, group_ranks: list[int], world_size: int, rank: int, name: str = "node_size"
+) -> Topology:
+    """The node/rail placement of a group whose members have global ranks ``group_ranks``; makes no group.
+
+    ``world_size`` is the global world size, ``rank`` this rank in the group. Raises ``ValueError``
+    naming ``name`` for a bad ``node_size``. See [Note: two-stage reductions].
+    """
+    if node_size is None:
+        node_size = default_node_size(world_size)
+    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {node_size!r}")
+    if world_size % node_size:
+        raise ValueError(f"{name} = {node_size} does not divide the world size {world_size}")
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and int(local) != node_size:
+        raise ValueError(f"{name} = {node_size} differs from the launcher's LOCAL_WORLD_SIZE = {local}")
+    nodes: dict[int, list[int]] = {}
+    for g in group_ranks:
+        nodes.setdefault(g // node_size, []).append(g)
+    for members in nodes.values():
+        members.sort()  # a new group's ranks are in global order
+    counts = {len(members) for members in nodes.values()}
+    if len(counts) != 1:
+        sizes = {n: len(m) for n, m in nodes.items()}
+        raise ValueError(f"{name} = {node_size}: the process group's members per node differ ({sizes}); two stages need equal ones")
+    order = sorted(nodes)
+    local_size = counts.pop()
+    me = group_ranks[rank]
+    n = order.index(me // node_size)
+    l = nodes[me // node_size].index(me)
+    positions = two_stage_positions(len(order), local_size)
+    placed = [0] * len(group_ranks)
+    for g, member in enumerate(group_ranks):
+        nn_, ll = order.index(member // node_size), nodes[member // node_size].index(member)
+        placed[g] = positions[nn_ * local_size + ll]
+    return Topology(
+        node_size, len(order), local_size, n, l, tuple(nodes[me // node_size]),
+        tuple(nodes[k][l] for k in order), tuple(placed),
+    )  # fmt: skip

@@ -1,0 +1,223 @@
+"""Two-stage reductions: the node/rail placement, the pack's segment order, and the modes on real gloo ranks.
+
+The nodes are simulated: ``node_size`` splits the ranks of one machine into groups of L,
+and the node and rail groups are real process groups over gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from flatgrad import kernels
+from flatgrad.layout import Layout
+from flatgrad.reducer import BucketReducer, LayoutMismatchError, plan_topology, two_stage_positions
+from flatgrad.testing.launch import run_ranks
+
+NUMELS = (1031, 37, 4099, 5)  # odd sizes: tensors straddle segments
+
+
+# ------------------------------------------------------------------ placement and layout (one process)
+
+
+def test_positions_put_every_segment_where_the_two_stages_leave_it():
+    for nodes, local in ((2, 2), (2, 3), (3, 2), (4, 2), (2, 4)):
+        positions = two_stage_positions(nodes, local)
+        assert sorted(positions) == list(range(nodes * local))
+        for n in range(nodes):
+            for l in range(local):
+                # node stage: local rank l keeps chunk l of L (N segments); rail stage: node n keeps chunk n of that
+                assert positions[n * local + l] // nodes == l and positions[n * local + l] % nodes == n
+
+
+def test_plan_topology_groups_and_subgroups(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    t = plan_topology(2, list(range(6)), 6, 3)
+    assert (t.num_nodes, t.local_size, t.node, t.local) == (3, 2, 1, 1)
+    assert t.node_ranks == (2, 3) and t.rail_ranks == (1, 3, 5)
+    assert t.positions == two_stage_positions(3, 2)
+    # an expert-data-parallel group: members 0, 2, 4, 6 of 8 ranks on nodes of 4 -> 2 nodes of 2 members
+    t = plan_topology(4, [0, 2, 4, 6], 8, 2)
+    assert (t.num_nodes, t.local_size, t.node, t.local, t.node_ranks, t.rail_ranks) == (2, 2, 1, 0, (4, 6), (0, 4))
+    assert plan_topology(None, list(range(4)), 4, 0).num_nodes == 1  # no LOCAL_WORLD_SIZE: one node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert plan_topology(None, list(range(4)), 4, 0).num_nodes == 2
+
+
+def test_plan_topology_refuses_bad_node_sizes(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for bad in (0, -1, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="node_size must be an int"):
+            plan_topology(bad, list(range(4)), 4, 0)
+    with pytest.raises(ValueError, match="node_size = 3 does not divide the world size 4"):
+        plan_topology(3, list(range(4)), 4, 0)
+    with pytest.raises(ValueError, match="members per node differ"):
+        plan_topology(2, [0, 1, 2], 4, 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="differs from the launcher's LOCAL_WORLD_SIZE = 4"):
+        plan_topology(2, list(range(8)), 8, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+    shape=st.sampled_from([(2, 2), (2, 3), (3, 2), (4, 2), (1, 3)]),
+    kind=st.sampled_from(["flat", "chunked"]),
+    align=st.sampled_from([1, 4]),
+    backend=st.sampled_from(["cpu", "torch"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_reordered_pack_writes_each_segment_at_its_position(numels, shape, kind, align, backend, dtype):
+    nodes, local = shape
+    layout = Layout.make(kind, numels, nodes * local, align)
+    ordered = layout.reordered(two_stage_positions(nodes, local))
+    gen = torch.Generator().manual_seed(sum(numels))
+    tensors = [torch.randn(n, generator=gen) if n % 3 else None for n in numels]
+    plain = kernels.pack(tensors, layout, torch.full((layout.numel,), 7.0, dtype=dtype), backend=backend, scale=0.5)
+    got = torch.full((layout.numel,), 7.0, dtype=dtype)
+    kernels.PackPlan(ordered, tensors, dtype=dtype, backend=backend, device="cpu")(tensors, got, scale=0.5)
+    s = layout.shard_numel
+    for r in range(layout.world_size):
+        p = ordered.position(r)
+        assert torch.equal(got[p * s : (p + 1) * s], plain[r * s : (r + 1) * s]), (r, p)
+    runs = ordered.pack_runs()
+    if runs.numel():
+        assert torch.equal(runs[1:, 0], (runs[:, 0] + runs[:, 3])[:-1])  # still tiles the buffer in order
+    assert ordered != layout and ordered.digest() != layout.digest() or ordered.positions == ()
+    assert ordered.pieces(0) == layout.pieces(0)
+
+
+def test_reordered_refuses_what_is_not_a_permutation():
+    layout = Layout.flat([10], 4)
+    with pytest.raises(ValueError, match="one entry per rank"):
+        layout.reordered((0, 1, 2))
+    with pytest.raises(ValueError, match="permutation"):
+        layout.reordered((0, 1, 1, 2))
+
+
+# ------------------------------------------------------------------ the modes on real ranks
+
+
+def _grads(rank: int, step: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Rank ``rank``'s gradients at micro-step ``step``: a wide dynamic range, representable in ``dtype``."""
+    gen = torch.Generator().manual_seed(7919 * rank + step)
+    return [(torch.randn(n, generator=gen) * torch.rand(n, generator=gen).mul(8).exp2()).to(dtype).float() for n in NUMELS]
+
+
+def _reduce(reduction: str, node_size: int, comm_dtype: torch.dtype, rank: int, steps: int, **options) -> BucketReducer:
+    params = [nn.Parameter(torch.zeros(n)) for n in NUMELS]
+    reducer = BucketReducer(
+        [params[:2], params[2:]], comm_dtype=comm_dtype, reduction=reduction, node_size=node_size,
+        register_hooks=False, **options,
+    )  # fmt: skip
+    for step in range(steps):
+        for p, g in zip(params, _grads(rank, step, comm_dtype)):
+            p.grad = g
+        for p in reversed(params):
+            reducer.mark_ready(p)
+        reducer.finish()
+    return reducer
+
+
+def _truth(reducer: BucketReducer, world_size: int, steps: int, comm_dtype: torch.dtype) -> tuple[list, list]:
+    """This rank's shards of the fp64 average (summed over micro-steps), and of the average of |grad|."""
+    total = [torch.zeros(n, dtype=torch.float64) for n in NUMELS]
+    magnitude = [torch.zeros(n, dtype=torch.float64) for n in NUMELS]
+    for r in range(world_size):
+        for step in range(steps):
+            for t, m, g in zip(total, magnitude, _grads(r, step, comm_dtype)):
+                t += g.double()
+                m += g.double().abs()
+    out = []
+    for full in (total, magnitude):
+        shards, k = [], 0
+        for gs in reducer.grad_shards():
+            shard = torch.zeros(gs.layout.shard_numel, dtype=torch.float64)
+            for piece in gs.pieces:
+                src = full[k + piece.tensor_index] / world_size
+                shard[piece.shard_offset : piece.shard_offset + piece.length] = src[piece.tensor_offset :][: piece.length]
+            shards.append(shard)
+            k += len(gs.params)
+        out.append(shards)
+    return out[0], out[1]
+
+
+def _twod_rank(rank: int, world_size: int, node_size: int) -> list:
+    """Per comm dtype and method: the 2d shards, the flat ones, the fp64 truth and |grad| scale."""
+    out = []
+    for comm_dtype in (torch.float32, torch.bfloat16):
+        for method in ("list", "tensor"):
+            twod = _reduce("2d_reduce_scatter", node_size, comm_dtype, rank, 2, method=method)
+            flat = _reduce("reduce_scatter", node_size, comm_dtype, rank, 2, method=method)
+            assert type(twod.mode).__name__ == "TwoStageReduceScatter"
+            truth, magnitude = _truth(twod, world_size, 2, comm_dtype)
+            got = [gs.shard.clone() for gs in twod.grad_shards()]
+            ref = [gs.shard.clone() for gs in flat.grad_shards()]
+            out.append((str(comm_dtype), method, got, ref, truth, magnitude))
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size, node_size", [(6, 3), (8, 4)])
+def test_2d_reduce_scatter_matches_flat_and_is_no_less_accurate(world_size, node_size):
+    eps32 = torch.finfo(torch.float32).eps
+    squared: dict = {}  # (dtype, method) -> [2d, flat] squared error of the whole gradient, every rank's shards
+    for rank, per_config in enumerate(run_ranks(_twod_rank, world_size, node_size, timeout=220)):
+        for dtype, method, got, ref, truth, magnitude in per_config:
+            label = f"rank {rank} {dtype} {method}"
+            total = squared.setdefault((dtype, method), [0.0, 0.0])
+            total[0] += sum(float((g.double() - t).norm() ** 2) for g, t in zip(got, truth))
+            total[1] += sum(float((r.double() - t).norm() ** 2) for r, t in zip(ref, truth))
+            if dtype == str(torch.float32):
+                for g, r, m in zip(got, ref, magnitude):
+                    # Both sum 2 x W fp32 terms in some order: each is within (2W - 1) eps of the sum of |terms|.
+                    bound = 2 * (2 * world_size - 1) * eps32 * m
+                    assert bool(((g.double() - r.double()).abs() <= bound).all()), label
+    for (dtype, method), (error_2d, error_flat) in squared.items():
+        assert 0 < error_2d <= error_flat, (dtype, method, error_2d**0.5, error_flat**0.5)  # 0 <: rounding is there
+
+
+def _bad_node_size_rank(rank: int, world_size: int, case: str) -> str:
+    node_size = {"no divide": 3, "differs": 2 if rank == 0 else 1, "launcher": 2}[case]
+    if case == "launcher" and rank == 1:
+        os.environ["LOCAL_WORLD_SIZE"] = "4"
+    try:
+        BucketReducer([[nn.Parameter(torch.zeros(8))]], reduction="2d_reduce_scatter", node_size=node_size, register_hooks=False)
+    except (ValueError, LayoutMismatchError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["no divide", "differs", "launcher"])
+def test_bad_node_size_raises_on_every_rank(case):
+    messages = run_ranks(_bad_node_size_rank, 4, case, timeout=50)
+    for rank, message in enumerate(messages):
+        assert message != "no error", (rank, case)
+        assert "node_size" in message, (rank, message)
+    if case == "launcher":
+        assert "LOCAL_WORLD_SIZE = 4" in messages[1] and "rank 1" in messages[0], messages
+
+
+def _one_node_rank(rank: int, world_size: int, node_size: int) -> tuple:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reducer = _reduce("2d_reduce_scatter", node_size, torch.float32, rank, 1)
+    flat = _reduce("reduce_scatter", node_size, torch.float32, rank, 1)
+    same = all(torch.equal(a.shard, b.shard) for a, b in zip(reducer.grad_shards(), flat.grad_shards()))
+    return reducer.mode.name, [str(w.message) for w in caught], same
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("node_size", [4, 1])
+def test_one_stage_topologies_fall_back_to_the_flat_mode_with_a_warning(node_size):
+    for name, messages, same in run_ranks(_one_node_rank, 4, node_size, timeout=50):
+        assert name == "reduce_scatter" and same
+        assert any("one stage only" in m and "2d_reduce_scatter" in m for m in messages), messages
