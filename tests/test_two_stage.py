@@ -221,3 +221,54 @@ def test_one_stage_topologies_fall_back_to_the_flat_mode_with_a_warning(node_siz
     for name, messages, same in run_ranks(_one_node_rank, 4, node_size, timeout=50):
         assert name == "reduce_scatter" and same
         assert any("one stage only" in m and "2d_reduce_scatter" in m for m in messages), messages
+
+
+# ------------------------------------------------------------------ DeepSpeed ZeRO-2
+
+
+def _as_nodes(rank: int, node_size: int) -> None:
+    """What a launcher on nodes of ``node_size`` ranks tells each rank (the ranks here share one machine)."""
+    os.environ.update(LOCAL_WORLD_SIZE=str(node_size), LOCAL_RANK=str(rank % node_size))
+
+
+def _zero2_rank(rank: int, world_size: int, root: str) -> dict:
+    import deepspeed.comm as ds_dist
+    from _ds import MLP, ds_config, make_batches, params_of, train
+
+    import flatgrad.deepspeed as fds
+
+    _as_nodes(rank, 2)
+    batches = make_batches(rank, 16, 2, 13, 5)
+    out: dict = {}
+    for reduction in ("reduce_scatter", "2d_reduce_scatter"):
+        cfg = ds_config(2, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": "fp32"})
+        torch.manual_seed(0)
+        engine, *_ = fds.initialize(model=MLP(), config=cfg)
+        modes = {type(r.mode).__name__ for r in engine.optimizer._flatgrad.reducers}
+        losses = train(engine, batches[:8])
+        path = os.path.join(root, reduction)
+        engine.save_checkpoint(path, tag="t")
+        continued = train(engine, batches[8:])
+        ds_dist.barrier()
+        torch.manual_seed(1)  # other initial weights: all must come from the checkpoint
+        resumed, *_ = fds.initialize(model=MLP(), config=cfg)
+        resumed.load_checkpoint(path, tag="t")
+        out[reduction] = {
+            "modes": modes, "losses": losses + continued, "params": params_of(engine),
+            "resumed_losses": train(resumed, batches[8:]), "resumed_params": params_of(resumed),
+        }  # fmt: skip
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_deepspeed_zero2_2d_reduce_scatter_on_two_nodes_of_two_matches_flat_and_checkpoints_load(tmp_path):
+    from _ds import launch
+
+    for rank, out in enumerate(launch(_zero2_rank, 4, str(tmp_path), timeout=280)):
+        flat, twod = out["reduce_scatter"], out["2d_reduce_scatter"]
+        assert twod["modes"] == {"TwoStageReduceScatter"} and flat["modes"] == {"ReduceScatter"}, rank
+        assert len(twod["losses"]) == len(flat["losses"]) == 16
+        assert max(abs(a - b) for a, b in zip(twod["losses"], flat["losses"])) <= 1e-6, (rank, twod["losses"], flat["losses"])
+        for run in (flat, twod):
+            assert run["resumed_losses"] == run["losses"][8:], rank  # the checkpoint resumes bitwise
+            assert all(torch.equal(run["resumed_params"][n], p) for n, p in run["params"].items()), rank

@@ -18,7 +18,7 @@ SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in docs/
 
 _COMM_DTYPES = ("fp32", "bf16", "fp16")
 _METHODS = ("auto", "tensor", "list")
-_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8")
+_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", "2d_reduce_scatter")
 
 
 class UnsupportedConfigError(ValueError):
@@ -47,9 +47,14 @@ class FlatgradConfig:
             (they serialise, and one bucket of memory is saved).
         reduction: ZeRO-1/2: ``reduce_scatter`` (the default), ``exact`` (all_to_all of the comm dtype,
             fixed-order fp32 sum in the unpack), ``int8`` or ``fp8`` (blockwise-quantized all_to_all);
-            see [Note: reduction modes] in ``flatgrad/reducer/modes.py``. ZeRO-3 refuses the others.
+            see [Note: reduction modes] in ``flatgrad/reducer/modes.py``; or ``2d_reduce_scatter``
+            (reduce_scatter in the node, then over the rail; see [Note: two-stage reductions] in
+            ``flatgrad/reducer/topology.py``). ZeRO-3 refuses the others.
         block: ``int8``/``fp8``: elements per fp32 scale, a power of two in [32, 4096].
         error_feedback: ``int8``/``fp8``: carry each rank's quantization error into its next step.
+        node_size: two-stage reductions: ranks per node; None (the default) takes the launcher's
+            ``LOCAL_WORLD_SIZE``, else the world size. It must divide the world size and equal
+            ``LOCAL_WORLD_SIZE`` where that is set (checked on every rank when the reducers are built).
         announce: print the take-over line (stage, sub-groups, buckets, method) on rank 0's stderr;
             ``FLATGRAD_QUIET=1`` silences it too.
     """
@@ -63,6 +68,7 @@ class FlatgradConfig:
     reduction: str = "reduce_scatter"
     block: int = 256
     error_feedback: bool = False
+    node_size: int | None = None
     announce: bool = True
 
     @classmethod
@@ -114,6 +120,10 @@ class FlatgradConfig:
             raise UnsupportedConfigError(str(exc)) from exc
         if not isinstance(cfg.error_feedback, bool):
             raise UnsupportedConfigError(f"'{SECTION}.error_feedback' must be true or false, got {cfg.error_feedback!r}")
+        if cfg.node_size is not None and (
+            isinstance(cfg.node_size, bool) or not isinstance(cfg.node_size, int) or cfg.node_size < 1
+        ):
+            raise UnsupportedConfigError(f"'{SECTION}.node_size' must be a positive int, got {cfg.node_size!r}")
         if not isinstance(cfg.announce, bool):
             raise UnsupportedConfigError(f"'{SECTION}.announce' must be true or false, got {cfg.announce!r}")
         if cfg.error_feedback and cfg.reduction not in wire.KINDS:

@@ -231,6 +231,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
                 reduction=cfg.reduction,
                 block=cfg.block,
                 error_feedback=cfg.error_feedback,
+                node_size=cfg.node_size,
                 collectives=deepspeed_collectives(),
                 shard_arena=arena_positions(indices) if use_arenas else None,
                 shard_targets=[self._host_gradient(i) for i in indices] if self.offload else None,
