@@ -206,21 +206,25 @@ def test_bad_node_size_raises_on_every_rank(case):
         assert "LOCAL_WORLD_SIZE = 4" in messages[1] and "rank 1" in messages[0], messages
 
 
-def _one_node_rank(rank: int, world_size: int, node_size: int) -> tuple:
+def _one_node_rank(rank: int, world_size: int, reduction: str, node_size: int, flat_mode: str) -> tuple:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        reducer = _reduce("2d_reduce_scatter", node_size, torch.float32, rank, 1)
-    flat = _reduce("reduce_scatter", node_size, torch.float32, rank, 1)
+        reducer = _reduce(reduction, node_size, torch.float32, rank, 1, block=64)
+    flat = _reduce(flat_mode, node_size, torch.float32, rank, 1, block=64)
     same = all(torch.equal(a.shard, b.shard) for a, b in zip(reducer.grad_shards(), flat.grad_shards()))
     return reducer.mode.name, [str(w.message) for w in caught], same
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("node_size", [4, 1])
-def test_one_stage_topologies_fall_back_to_the_flat_mode_with_a_warning(node_size):
-    for name, messages, same in run_ranks(_one_node_rank, 4, node_size, timeout=50):
-        assert name == "reduce_scatter" and same
-        assert any("one stage only" in m and "2d_reduce_scatter" in m for m in messages), messages
+@pytest.mark.parametrize(
+    "reduction, node_size, flat_mode",
+    [("2d_reduce_scatter", 4, "reduce_scatter"), ("2d_reduce_scatter", 1, "reduce_scatter"),
+     ("hier_int8", 4, "reduce_scatter"), ("hier_fp8", 1, "fp8")],
+)  # fmt: skip
+def test_one_stage_topologies_fall_back_to_the_flat_mode_with_a_warning(reduction, node_size, flat_mode):
+    for name, messages, same in run_ranks(_one_node_rank, 4, reduction, node_size, flat_mode, timeout=50):
+        assert name == flat_mode and same
+        assert any("one stage only" in m and reduction in m for m in messages), messages
 
 
 # ------------------------------------------------------------------ DeepSpeed ZeRO-2
@@ -272,3 +276,78 @@ def test_deepspeed_zero2_2d_reduce_scatter_on_two_nodes_of_two_matches_flat_and_
         for run in (flat, twod):
             assert run["resumed_losses"] == run["losses"][8:], rank  # the checkpoint resumes bitwise
             assert all(torch.equal(run["resumed_params"][n], p) for n, p in run["params"].items()), rank
+
+
+# ------------------------------------------------------------------ hier_int8 / hier_fp8
+
+
+def _hier_expected(reducer, everyone, rank, world_size, comm_dtype, block, kind, residuals, shards) -> None:
+    """Every rank's pack, node sum (two ranks: one addition, order-free), quantize and rail exchange, replayed."""
+    from flatgrad.kernels import reference, wire_reference
+
+    t = reducer.topology
+    n_nodes, local = t.num_nodes, t.local_size
+    me_node, me_local = divmod(rank, local)
+    for b, layout in enumerate(reducer.layouts):
+        s = layout.shard_numel
+        packed = []
+        for r in range(world_size):
+            buf = torch.empty(layout.numel, dtype=comm_dtype)
+            reference.pack(everyone[r][b], layout, buf, 1.0)
+            packed.append(buf)
+        segments = []
+        for n in range(n_nodes):  # the rail peer on node n: its node chunk holds the segments of ranks (m, me_local)
+            stage = torch.cat([
+                sum(packed[n * local + l][(m * local + me_local) * s :][:s].float() for l in range(local)).to(comm_dtype)
+                for m in range(n_nodes)
+            ])  # fmt: skip
+            w = torch.zeros(n_nodes * wire_reference.segment_bytes(s, block), dtype=torch.uint8)
+            wire_reference.quantize(stage, n_nodes, block, kind, w, residuals[n][b])
+            seg = wire_reference.segment_bytes(s, block)
+            segments.append(w[me_node * seg : (me_node + 1) * seg])
+        accumulate = shards[b] is not None
+        if shards[b] is None:
+            shards[b] = torch.empty(s)
+        wire_reference.dequantize_sum(torch.cat(segments), n_nodes, block, kind, shards[b], 1.0 / world_size, accumulate)
+
+
+def _hier_rank(rank: int, world_size: int) -> list:
+    out = []
+    block = 64
+    for reduction, feedback, comm_dtype in (
+        ("hier_int8", False, torch.float32), ("hier_int8", True, torch.bfloat16), ("hier_fp8", True, torch.float32),
+    ):  # fmt: skip
+        params = [nn.Parameter(torch.zeros(n)) for n in NUMELS]
+        reducer = BucketReducer(
+            [params[:2], params[2:]], comm_dtype=comm_dtype, reduction=reduction, node_size=2, block=block,
+            error_feedback=feedback, register_hooks=False,
+        )  # fmt: skip
+        assert type(reducer.mode).__name__ == "HierarchicalQuantized"
+        assert (reducer.residual_bytes > 0) == feedback
+        n_nodes = reducer.topology.num_nodes
+        residuals = [[torch.zeros(n_nodes * lay.shard_numel) if feedback else None for lay in reducer.layouts] for _ in range(n_nodes)]
+        shards: list = [None] * len(reducer.layouts)
+        for step in range(3):  # one window of 2 micro-steps, then a window of 1
+            grads = _grads(rank, step, comm_dtype)
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            for p in reversed(params):
+                reducer.mark_ready(p)
+            reducer.finish()
+            everyone: list = [None] * world_size
+            dist.all_gather_object(everyone, [grads[:2], grads[2:]])
+            _hier_expected(reducer, everyone, rank, world_size, comm_dtype, block, reduction.removeprefix("hier_"), residuals, shards)
+            if step != 0:
+                out.append((f"{reduction} feedback={feedback} {comm_dtype} step {step}", [gs.shard.clone() for gs in reducer.grad_shards()], [x.clone() for x in shards]))
+                reducer.zero_grad()
+                shards = [None] * len(shards)
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size", [4, 6])
+def test_hier_quantized_bitwise_equal_reference(world_size):
+    for rank, per_mode in enumerate(run_ranks(_hier_rank, world_size, timeout=180)):
+        for label, got, expected in per_mode:
+            for b, (g, e) in enumerate(zip(got, expected)):
+                assert torch.equal(g, e), f"rank {rank} bucket {b} {label}: max diff {(g - e).abs().max()}"

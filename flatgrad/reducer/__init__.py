@@ -11,14 +11,16 @@ from .agreement import LayoutMismatchError, agree, agreement_device
 from .config import REDUCTIONS, TWO_STAGE_REDUCTIONS, ReducerConfig
 from .bucket import Bucket
 from .modes import (
-    DividedReduceScatter, ExactSum, QuantizedWire, ReduceScatter, ReductionMode, StagedWork, TwoStageReduceScatter, make_mode,
+    DividedReduceScatter, ExactSum, HierarchicalQuantized, QuantizedWire, ReduceScatter, ReductionMode, StagedWork, TwoStageReduceScatter, make_mode,
 )  # fmt: skip
 from .topology import Topology, default_node_size, plan_topology, two_stage_positions
 from .reducer import BucketReducer, GradShard, build_buckets
 from .shards import ArenaShards, OwnShards, ShardStore, TargetShards
 
 __all__ = [
-    "ArenaShards", "Bucket", "BucketReducer", "DividedReduceScatter", "ExactSum", "GradShard", "LayoutMismatchError", "OwnShards", "QuantizedWire", "REDUCTIONS", "ReduceScatter",
-    "ReducerConfig", "ReductionMode", "ShardStore", "StagedWork", "TargetShards", "TWO_STAGE_REDUCTIONS", "Topology", "TwoStageReduceScatter", "agree",
-    "agreement_device", "build_buckets", "default_node_size", "make_mode", "plan_topology", "two_stage_positions",
+    "agree", "agreement_device", "ArenaShards", "Bucket", "BucketReducer", "build_buckets", "default_node_size",
+    "DividedReduceScatter", "ExactSum", "GradShard", "HierarchicalQuantized", "LayoutMismatchError", "make_mode",
+    "OwnShards", "plan_topology", "QuantizedWire", "ReducerConfig", "ReduceScatter", "ReductionMode", "REDUCTIONS",
+    "ShardStore", "StagedWork", "TargetShards", "Topology", "two_stage_positions", "TWO_STAGE_REDUCTIONS",
+    "TwoStageReduceScatter",
 ]  # fmt: skip

@@ -37,6 +37,16 @@ mode it runs; adding a mode is one new class here plus its kernels.
   node stage of a later bucket runs while this one's rail stage is in flight;
   on CUDA from the unpack stream, after the node stage's ``wait``.
 
+* ``"hier_int8"`` / ``"hier_fp8"`` (``HierarchicalQuantized``): the pack and
+  the node stage of ``2d_reduce_scatter`` (comm dtype, in place); then one
+  quantize of this rank's node-reduced chunk (N segments, one per rail peer;
+  see [Note: wire format]) into a send wire, one all_to_all of it over the
+  rail, and the unpack ``wire.dequantize_sum`` of the N received segments
+  (fp32 sum, ``1/W`` there). With ``error_feedback`` a persistent fp32 residual
+  of the node chunk (``N * S`` elements) carries this rank's quantization
+  error into its next quantize. Across nodes each rank sends ``N - 1`` wire
+  segments instead of ``N - 1`` comm-dtype segments.
+
 On a one-rank group nothing is sent, so every mode takes the reduce_scatter
 path (a copy through the comm dtype): a quantized wire would only add its
 rounding, and error feedback would carry it. That is the MoE expert group of
@@ -72,7 +82,7 @@ if TYPE_CHECKING:
     from .bucket import Bucket
 
 __all__ = [
-    "DividedReduceScatter", "ExactSum", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "StagedWork",
+    "DividedReduceScatter", "ExactSum", "HierarchicalQuantized", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "StagedWork",
     "TwoStageReduceScatter", "make_mode",
 ]  # fmt: skip
 
@@ -344,6 +354,63 @@ class TwoStageReduceScatter(ReduceScatter):
         return StagedWork(first, rail)
 
 
+class HierarchicalQuantized(TwoStageReduceScatter):
+    """Node stage in the comm dtype, then one quantize of the node-reduced chunk, an int8/fp8 all_to_all over
+    the rail, and dequantize + fp32 sum in the unpack."""
+
+    def __init__(self, topology: Topology, name: str, block: int, error_feedback: bool) -> None:
+        super().__init__(topology)
+        self.name = name
+        self.kind = name.removeprefix("hier_")
+        self.block = block
+        self.error_feedback = error_feedback
+
+    def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
+        # The node stage sums in the comm dtype (fp16: pre-scaled against overflow); 1/W is an fp32 multiply in the unpack.
+        if average and dtype == torch.float16:
+            return comm.averaging(world_size, dtype, group, device)
+        return ReductionMode.averaging(self, average, world_size, dtype, group, device)
+
+    def _wire_bytes(self, layout: Layout) -> int:
+        return self.topology.num_nodes * wire.segment_bytes(layout.shard_numel, self.block)
+
+    def residual(self, layout, device) -> torch.Tensor | None:
+        if not self.error_feedback:
+            return None
+        return torch.zeros(self.topology.num_nodes * layout.shard_numel, dtype=torch.float32, device=device)
+
+    def pool_slots(self, buckets, world_size) -> list[PoolSlot]:
+        nbytes = max(self._wire_bytes(b.layout) for b in buckets)
+        return [*super().pool_slots(buckets, world_size), ("wire_send", nbytes, torch.uint8), ("wire_recv", nbytes, torch.uint8)]
+
+    def bind(self, b, purpose, buffer, rank, world_size) -> None:
+        if purpose == "input":
+            super().bind(b, purpose, buffer, rank, world_size)
+        else:
+            setattr(b, purpose, buffer.narrow(0, 0, self._wire_bytes(b.layout)))
+
+    def prepare(self, b) -> None:
+        b.wire_kernels = wire.wire_kernels(b.backend)
+
+    def start(self, b, group, collectives) -> Any:
+        first = comm.reduce_scatter(
+            b.stage, b.input, group=self.node_group, op=b.op, async_op=True, method=b.method,
+            input_chunks=b.input_chunks, collectives=collectives,
+        )  # fmt: skip
+
+        def rail() -> Any:
+            b.wire_kernels.quantize(b.stage, self.topology.num_nodes, self.block, self.kind, b.wire_send, b.residual)
+            return comm.all_to_all(b.wire_recv, b.wire_send, group=self.rail_group, async_op=True, collectives=collectives)
+
+        return StagedWork(first, rail)
+
+    def unpack(self, b, rank, world_size, collect_stats) -> torch.Tensor | None:
+        return b.wire_kernels.dequantize_sum(
+            b.wire_recv, self.topology.num_nodes, self.block, self.kind, b.shard, b.unpack_scale, b.accumulate,
+            collect_stats,
+        )  # fmt: skip
+
+
 def make_mode(config: ReducerConfig, world_size: int, topology: Topology | None = None) -> ReductionMode:
     """The mode ``config`` names, for a group of ``world_size`` ranks placed on nodes as ``topology`` says.
 
@@ -357,13 +424,18 @@ def make_mode(config: ReducerConfig, world_size: int, topology: Topology | None 
         if topology is None:
             raise ValueError(f"reduction {config.reduction!r} needs the group's topology (node and rail placement)")
         if not topology.two_stage:
+            flat: ReductionMode = ReduceScatter()
+            if topology.num_nodes > 1 and config.reduction.startswith("hier_"):  # one rank per node: all rail
+                flat = QuantizedWire(config.reduction.removeprefix("hier_"), config.block, config.error_feedback)
             warnings.warn(
                 f"flatgrad: reduction {config.reduction!r} on {topology.num_nodes} node(s) of {topology.local_size} "
-                f"rank(s) has one stage only; running 'reduce_scatter' (node_size={topology.node_size})",
+                f"rank(s) has one stage only; running {flat.name!r} (node_size={topology.node_size})",
                 stacklevel=3,
             )
-            return ReduceScatter()
-        return TwoStageReduceScatter(topology)
+            return flat
+        if config.reduction == "2d_reduce_scatter":
+            return TwoStageReduceScatter(topology)
+        return HierarchicalQuantized(topology, config.reduction, config.block, config.error_feedback)
     if config.reduction == "exact":
         return ExactSum()
     return QuantizedWire(config.reduction, config.block, config.error_feedback)

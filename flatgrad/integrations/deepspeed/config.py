@@ -18,7 +18,7 @@ SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in docs/
 
 _COMM_DTYPES = ("fp32", "bf16", "fp16")
 _METHODS = ("auto", "tensor", "list")
-_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", "2d_reduce_scatter")
+_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", "2d_reduce_scatter", "hier_int8", "hier_fp8")
 
 
 class UnsupportedConfigError(ValueError):
@@ -49,9 +49,10 @@ class FlatgradConfig:
             fixed-order fp32 sum in the unpack), ``int8`` or ``fp8`` (blockwise-quantized all_to_all);
             see [Note: reduction modes] in ``flatgrad/reducer/modes.py``; or ``2d_reduce_scatter``
             (reduce_scatter in the node, then over the rail; see [Note: two-stage reductions] in
-            ``flatgrad/reducer/topology.py``). ZeRO-3 refuses the others.
-        block: ``int8``/``fp8``: elements per fp32 scale, a power of two in [32, 4096].
-        error_feedback: ``int8``/``fp8``: carry each rank's quantization error into its next step.
+            ``flatgrad/reducer/topology.py``), ``hier_int8`` or ``hier_fp8`` (the node stage, then a
+            quantized all_to_all over the rail). ZeRO-3 refuses the others.
+        block: ``int8``/``fp8``/``hier_int8``/``hier_fp8``: elements per fp32 scale, a power of two in [32, 4096].
+        error_feedback: the quantized reductions: carry each rank's quantization error into its next step.
         node_size: two-stage reductions: ranks per node; None (the default) takes the launcher's
             ``LOCAL_WORLD_SIZE``, else the world size. It must divide the world size and equal
             ``LOCAL_WORLD_SIZE`` where that is set (checked on every rank when the reducers are built).
@@ -114,8 +115,8 @@ class FlatgradConfig:
 
         try:
             wire.check_block(cfg.block, f"'{SECTION}.block'")
-            if cfg.reduction in wire.KINDS:
-                wire.check_kind(cfg.reduction, f"'{SECTION}.reduction'")
+            if cfg.reduction.removeprefix("hier_") in wire.KINDS:
+                wire.check_kind(cfg.reduction.removeprefix("hier_"), f"'{SECTION}.reduction'")
         except ValueError as exc:
             raise UnsupportedConfigError(str(exc)) from exc
         if not isinstance(cfg.error_feedback, bool):
@@ -126,9 +127,10 @@ class FlatgradConfig:
             raise UnsupportedConfigError(f"'{SECTION}.node_size' must be a positive int, got {cfg.node_size!r}")
         if not isinstance(cfg.announce, bool):
             raise UnsupportedConfigError(f"'{SECTION}.announce' must be true or false, got {cfg.announce!r}")
-        if cfg.error_feedback and cfg.reduction not in wire.KINDS:
+        if cfg.error_feedback and cfg.reduction.removeprefix("hier_") not in wire.KINDS:
             raise UnsupportedConfigError(
-                f"'{SECTION}.error_feedback' needs '{SECTION}.reduction' 'int8' or 'fp8', not {cfg.reduction!r}"
+                f"'{SECTION}.error_feedback' needs '{SECTION}.reduction' 'int8', 'fp8', 'hier_int8' or 'hier_fp8', "
+                f"not {cfg.reduction!r}"
             )
         return cfg
 
