@@ -468,8 +468,11 @@ def test_hierarchical_reduction_calls_hand_computed() -> None:
     assert [c.op for c in reduction_calls("hier_int8", 8 * 256, torch.bfloat16, range(8), rank=3)] == ["reduce_scatter"]
     with pytest.raises(ValueError, match="whole nodes"):
         reduction_calls("qgz_int8", 12 * 256, torch.bfloat16, range(12))
-    with pytest.raises(ValueError, match="whole nodes"):
-        reduction_calls("hier_exact", 32 * 256, torch.bfloat16, range(1, 64, 2), rank=1)
+    with pytest.raises(ValueError, match="whole nodes"):  # 4, 8 and 4 ranks on three nodes
+        reduction_calls("hier_exact", 16 * 256, torch.bfloat16, range(4, 20), rank=4)
+    # A strided group (MoE's expert data parallelism) spread evenly over nodes: the reducer's placement.
+    strided = reduction_calls("2d_reduce_scatter", 32 * 256, torch.bfloat16, range(1, 64, 2), rank=11)
+    assert [c.group for c in strided] == [range(9, 17, 2), range(3, 64, 8)]
     with pytest.raises(ValueError, match="multiple of the group size"):
         reduction_calls("2d_reduce_scatter", 32 * 256 + 1, torch.bfloat16, group)
     with pytest.raises(ValueError, match="reduction must be one of"):
@@ -502,9 +505,11 @@ def test_mode_schedules_keep_the_buckets_and_price_them() -> None:
             # Bandwidth: (8/16 of the bytes at 50 GB/s) / (15/16 at 400 GB/s) = 64/15, bucket for bucket.
             assert rows["exact"]["bandwidth_s"] / rows["reduce_scatter"]["bandwidth_s"] == pytest.approx(64 / 15)
             assert rows["exact"]["vs_reduce_scatter"] > 1
-    # MoE expert groups are strided: the hierarchical modes cannot split them into nodes.
+    # MoE expert groups are strided: placed as the reducer places them, their members on a node form its node group.
     moe = models.load("seed-moe", hidden=24, num_experts=4, ep_size=2)
-    assert "whole nodes" in flatgrad_zero2(moe, 16, bucket_numel=1000, reduction="hier_int8").unavailable
+    hier = flatgrad_zero2(moe, 16, bucket_numel=1000, reduction="hier_int8")
+    assert hier.unavailable is None and range(0, 8, 2) in {c.group for c in hier.calls}
+    assert "whole nodes" in flatgrad_zero2(moe, 12, bucket_numel=1000, reduction="hier_int8").unavailable
     with pytest.raises(ValueError, match="reduction must be one of"):
         flatgrad_zero2(spec, 8, reduction="int4")
 

@@ -50,8 +50,10 @@ with ``local`` ranks of the group per node and ``p - local`` peers elsewhere:
   over a few channels, but each network send is its own operation on the proxy
   thread; a ring has the same step count but only ``nodes - 1`` IB steps.
 
-Hierarchical modes (``reduction_calls``; modelled only, the reducer does not
-implement them) split a node-aligned group into an intra-node stage over the
+Hierarchical modes (``reduction_calls``; the reducer implements
+``2d_reduce_scatter``, ``hier_int8`` and ``hier_fp8``, see [Note: two-stage
+reductions] in ``flatgrad/reducer/topology.py``, whose placement of the ranks
+on nodes and rails this model uses) split a group spread evenly over nodes into an intra-node stage over the
 rank's node and an inter-node stage over its rail (the ranks with its local
 index, one per node, which owns ``1 / local`` of the bucket after the first
 stage), in the manner of ZeRO++'s qgZ:
@@ -102,7 +104,7 @@ __all__ = ["CostModel", "DEFAULT", "FLAT_MODES", "HIERARCHICAL_MODES", "MODES", 
 FLAT_MODES = ("reduce_scatter", "exact", "int8", "fp8")
 """The reducer's modes: one call per bucket over its group. See [Note: reduction modes] in ``flatgrad/reducer/modes.py``."""
 HIERARCHICAL_MODES = ("2d_reduce_scatter", "hier_exact", "hier_int8", "qgz_int8")
-"""Two-stage modes, modelled only. See [Note: all_to_all cost]."""
+"""Two-stage modes (``hier_exact`` and ``qgz_int8`` modelled only). See [Note: all_to_all cost]."""
 MODES = FLAT_MODES + HIERARCHICAL_MODES
 
 
@@ -263,13 +265,15 @@ def reduction_calls(
     rank: int | None = None,
     block: int = 256,
     gpus_per_node: int = 8,
+    world_size: int | None = None,
 ) -> tuple[Collective, ...]:
     """The calls that move a ``numel``-element bucket of ``dtype`` under any mode of ``MODES``, as ``rank`` sees them.
 
     Flat modes: ``(reduction_call(...),)``. Hierarchical modes (see [Note: all_to_all
     cost]): an intra-node call over ``rank``'s node, then an inter-node call over its
-    rail (none when the group is one node). ``numel`` must be a multiple of the
-    group size (flatgrad's layouts pad to it).
+    rail (none when the group is one node), placed by ``flatgrad.reducer.topology.place_ranks``
+    as the reducer places them (``world_size``: the global one, default the group's nodes, whole).
+    ``numel`` must be a multiple of the group size (flatgrad's layouts pad to it).
     """
     from ..kernels import wire
 
@@ -283,12 +287,15 @@ def reduction_calls(
         raise ValueError(f"rank {rank} is not in the group {group}")
     if numel % p:
         raise ValueError(f"numel ({numel}) must be a multiple of the group size ({p})")
-    if group.step != 1 or (p > g and (group.start % g or p % g)):
-        raise ValueError(f"{reduction} needs a group of whole nodes of {g} consecutive ranks, got {group}")
-    node_start = group.start + (rank - group.start) // g * g
-    node = range(node_start, min(node_start + g, group.stop))
-    rail = range(group.start + (rank - group.start) % g, group.stop, g)
-    part = numel // len(node)  # what this rank owns after the node stage; the rail splits it n ways
+    from ..reducer.topology import place_ranks
+
+    world = world_size if world_size is not None else -(-(group[-1] + 1) // g) * g
+    try:  # the reducer's own placement: see [Note: two-stage reductions] in flatgrad/reducer/topology.py
+        topology = place_ranks(g, list(group), world, group.index(rank), name="gpus_per_node")
+    except ValueError as exc:
+        raise ValueError(f"{reduction} needs a group spread evenly over whole nodes of {g} ranks, got {group}: {exc}") from exc
+    node, rail = _strided(topology.node_ranks), _strided(topology.rail_ranks)
+    part = numel // topology.local_size  # what this rank owns after the node stage; the rail splits it n ways
 
     def quantized(n: int, members: range) -> Collective:
         nbytes = len(members) * wire.segment_bytes(n // len(members), block)
@@ -303,3 +310,12 @@ def reduction_calls(
     else:  # qgz_int8
         calls = [quantized(numel, node), quantized(part, rail)]
     return tuple(c for c in calls if len(c.group) > 1)
+
+
+def _strided(ranks: tuple[int, ...]) -> range:
+    """A node or rail group's ranks (evenly strided by construction) as the ``range`` a ``Collective`` holds."""
+    step = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+    out = range(ranks[0], ranks[-1] + step, step)
+    if tuple(out) != ranks:
+        raise ValueError(f"group ranks {ranks} are not evenly strided")
+    return out

@@ -105,6 +105,7 @@ def flatgrad_zero2(
             else:
                 calls.extend(reduction_calls(
                     reduction, layout.numel, comm_dtype, ranks[s], rank=rank, block=block, gpus_per_node=gpus_per_node,
+                    world_size=world_size,
                 ))  # fmt: skip
 
     name, key = "flatgrad ZeRO-2", "flatgrad_zero2"

@@ -13,14 +13,14 @@ from .bucket import Bucket
 from .modes import (
     DividedReduceScatter, ExactSum, HierarchicalQuantized, QuantizedWire, ReduceScatter, ReductionMode, StagedWork, TwoStageReduceScatter, make_mode,
 )  # fmt: skip
-from .topology import Topology, default_node_size, plan_topology, two_stage_positions
+from .topology import Topology, default_node_size, place_ranks, plan_topology, two_stage_positions
 from .reducer import BucketReducer, GradShard, build_buckets
 from .shards import ArenaShards, OwnShards, ShardStore, TargetShards
 
 __all__ = [
     "agree", "agreement_device", "ArenaShards", "Bucket", "BucketReducer", "build_buckets", "default_node_size",
     "DividedReduceScatter", "ExactSum", "GradShard", "HierarchicalQuantized", "LayoutMismatchError", "make_mode",
-    "OwnShards", "plan_topology", "QuantizedWire", "ReducerConfig", "ReduceScatter", "ReductionMode", "REDUCTIONS",
-    "ShardStore", "StagedWork", "TargetShards", "Topology", "two_stage_positions", "TWO_STAGE_REDUCTIONS",
-    "TwoStageReduceScatter",
+    "OwnShards", "place_ranks", "plan_topology", "QuantizedWire", "ReducerConfig", "ReduceScatter", "ReductionMode",
+    "REDUCTIONS", "ShardStore", "StagedWork", "TargetShards", "Topology", "two_stage_positions",
+    "TWO_STAGE_REDUCTIONS", "TwoStageReduceScatter",
 ]  # fmt: skip

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "default_node_size", "plan_topology", "two_stage_positions"]
+__all__ = ["Topology", "default_node_size", "place_ranks", "plan_topology", "two_stage_positions"]
 
 
 class Topology(NamedTuple):
@@ -94,20 +94,30 @@ def two_stage_positions(num_nodes: int, local_size: int) -> tuple[int, ...]:
 def plan_topology(
     node_size: int | None, group_ranks: list[int], world_size: int, rank: int, name: str = "node_size"
 ) -> Topology:
-    """The node/rail placement of a group whose members have global ranks ``group_ranks``; makes no group.
+    """The node/rail placement of this rank's group from the config's ``node_size`` and the launcher's view.
 
-    ``world_size`` is the global world size, ``rank`` this rank in the group. Raises ``ValueError``
-    naming ``name`` for a bad ``node_size``. See [Note: two-stage reductions].
+    ``None`` takes ``LOCAL_WORLD_SIZE`` (else ``world_size``); a ``node_size`` that differs from a set
+    ``LOCAL_WORLD_SIZE`` is refused. Then ``place_ranks``. Makes no group.
     """
     if node_size is None:
         node_size = default_node_size(world_size)
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and not isinstance(node_size, bool) and isinstance(node_size, int) and int(local) != node_size:
+        raise ValueError(f"{name} = {node_size} differs from the launcher's LOCAL_WORLD_SIZE = {local}")
+    return place_ranks(node_size, group_ranks, world_size, rank, name)
+
+
+def place_ranks(node_size: int, group_ranks: list[int], world_size: int, rank: int, name: str = "node_size") -> Topology:
+    """The node/rail placement of a group whose members have global ranks ``group_ranks``; pure arithmetic.
+
+    ``world_size`` is the global world size, ``rank`` this rank's index in the group. Raises
+    ``ValueError`` naming ``name`` for a bad ``node_size``. See [Note: two-stage reductions].
+    ``flatgrad plan`` prices the two-stage modes from the same placement.
+    """
     if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
         raise ValueError(f"{name} must be an int >= 1, got {node_size!r}")
     if world_size % node_size:
         raise ValueError(f"{name} = {node_size} does not divide the world size {world_size}")
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local and int(local) != node_size:
-        raise ValueError(f"{name} = {node_size} differs from the launcher's LOCAL_WORLD_SIZE = {local}")
     nodes: dict[int, list[int]] = {}
     for g in group_ranks:
         nodes.setdefault(g // node_size, []).append(g)
@@ -119,15 +129,10 @@ def plan_topology(
         raise ValueError(f"{name} = {node_size}: the process group's members per node differ ({sizes}); two stages need equal ones")
     order = sorted(nodes)
     local_size = counts.pop()
-    me = group_ranks[rank]
-    n = order.index(me // node_size)
-    l = nodes[me // node_size].index(me)
     positions = two_stage_positions(len(order), local_size)
-    placed = [0] * len(group_ranks)
-    for g, member in enumerate(group_ranks):
-        nn_, ll = order.index(member // node_size), nodes[member // node_size].index(member)
-        placed[g] = positions[nn_ * local_size + ll]
+    index = {member: (order.index(node), members.index(member)) for node, members in nodes.items() for member in members}
+    placed = tuple(positions[index[member][0] * local_size + index[member][1]] for member in group_ranks)
+    n, l = index[group_ranks[rank]]
     return Topology(
-        node_size, len(order), local_size, n, l, tuple(nodes[me // node_size]),
-        tuple(nodes[k][l] for k in order), tuple(placed),
+        node_size, len(order), local_size, n, l, tuple(nodes[order[n]]), tuple(nodes[k][l] for k in order), placed,
     )  # fmt: skip
