@@ -351,3 +351,23 @@ def test_hier_quantized_bitwise_equal_reference(world_size):
         for label, got, expected in per_mode:
             for b, (g, e) in enumerate(zip(got, expected)):
                 assert torch.equal(g, e), f"rank {rank} bucket {b} {label}: max diff {(g - e).abs().max()}"
+
+
+# ------------------------------------------------------------------ the bench's counts and the plan
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size, node_size", [(4, 2), (8, 4), (8, 2)])
+def test_bench_counts_equal_the_plan_and_hier_int8_halves_the_cross_node_bytes(world_size, node_size):
+    from flatgrad.bench.hierarchical import measure
+
+    rows = {r["mode"]: r for r in measure(world_size, node_size, timeout=200)}
+    for mode, r in rows.items():
+        assert r["plan_match"], mode
+        assert r["cross_node_bytes"] == pytest.approx(r["plan_cross_node_bytes"], rel=1e-12), mode
+    twod, hier = rows["2d_reduce_scatter"], rows["hier_int8"]
+    assert set(twod["stages"]) == set(hier["stages"]) == {"node", "rail"}
+    assert twod["stages"]["node"]["calls"] == twod["stages"]["rail"]["calls"] == rows["reduce_scatter"]["stages"]["flat"]["calls"]
+    assert 0 < hier["cross_node_bytes"] <= 0.55 * twod["cross_node_bytes"]
+    assert twod["cross_node_bytes"] < rows["reduce_scatter"]["cross_node_bytes"]
+    assert twod["overlapped"] and hier["overlapped"]  # a node stage went out before an earlier rail stage
