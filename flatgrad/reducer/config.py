@@ -12,7 +12,7 @@ from ..kernels import wire
 __all__ = ["LAYOUT_KINDS", "REDUCTIONS", "TWO_STAGE_REDUCTIONS", "ReducerConfig"]
 
 LAYOUT_KINDS = ("flat", "chunked")
-TWO_STAGE_REDUCTIONS = ("2d_reduce_scatter", "hier_int8", "hier_fp8")
+TWO_STAGE_REDUCTIONS = ("2d_reduce_scatter", "hier_int8", "hier_fp8", "hier_exact")
 REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", *TWO_STAGE_REDUCTIONS)
 
 
@@ -42,7 +42,8 @@ class ReducerConfig:
         reduction: ``"reduce_scatter"`` (the default), or one of the all_to_all modes of
             [Note: reduction modes]: ``"exact"``, ``"int8"``, ``"fp8"``, or the two-stage
             ``"2d_reduce_scatter"`` (node stage, then rail stage; see [Note: two-stage reductions]) and
-            ``"hier_int8"`` / ``"hier_fp8"`` (the node stage, then a quantized all_to_all over the rail).
+            ``"hier_int8"`` / ``"hier_fp8"`` (the node stage, then a quantized all_to_all over the rail) and
+            ``"hier_exact"`` (all_to_alls in both stages, fixed-order fp32 sums: deterministic).
         block: int8/fp8/hier_int8/hier_fp8: elements per fp32 scale, a power of two in [32, 4096].
         error_feedback: int8/fp8/hier_int8/hier_fp8: carry each rank's quantization error into its next
             quantize.

@@ -47,6 +47,15 @@ mode it runs; adding a mode is one new class here plus its kernels.
   error into its next quantize. Across nodes each rank sends ``N - 1`` wire
   segments instead of ``N - 1`` comm-dtype segments.
 
+* ``"hier_exact"`` (``HierarchicalExact``): the pack of ``2d_reduce_scatter``,
+  one all_to_all of the comm-dtype buffer in the node group, an fp32 sum of the
+  L received chunks in local-rank order (``wire.sum_sources``) into an fp32
+  node partial of ``N * S`` elements, one fp32 all_to_all of it over the rail,
+  and the unpack ``wire.sum_sources`` of the N received partials in node order
+  (``1/W`` there). Every sum is fp32 in a fixed order and the collectives only
+  move bytes: the shards are a fixed function of the gradients, bitwise the
+  same run to run, whatever the collectives' algorithms.
+
 On a one-rank group nothing is sent, so every mode takes the reduce_scatter
 path (a copy through the comm dtype): a quantized wire would only add its
 rounding, and error feedback would carry it. That is the MoE expert group of
@@ -82,7 +91,7 @@ if TYPE_CHECKING:
     from .bucket import Bucket
 
 __all__ = [
-    "DividedReduceScatter", "ExactSum", "HierarchicalQuantized", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "StagedWork",
+    "DividedReduceScatter", "ExactSum", "HierarchicalExact", "HierarchicalQuantized", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "StagedWork",
     "TwoStageReduceScatter", "make_mode",
 ]  # fmt: skip
 
@@ -411,6 +420,50 @@ class HierarchicalQuantized(TwoStageReduceScatter):
         )  # fmt: skip
 
 
+class HierarchicalExact(TwoStageReduceScatter):
+    """Comm-dtype all_to_all in the node, fp32 node partials, fp32 all_to_all over the rail; fixed-order fp32 sums."""
+
+    name = "hier_exact"
+
+    def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
+        return ReductionMode.averaging(self, average, world_size, dtype, group, device)  # fp32 sums: 1/W in the unpack
+
+    def pool_slots(self, buckets, world_size) -> list[PoolSlot]:
+        size = max(b.layout.numel for b in buckets)
+        part = max(b.layout.numel // self.topology.local_size for b in buckets)
+        dtype = buckets[0].comm_dtype
+        return [("input", size, dtype), ("recv", size, dtype), ("partial", part, torch.float32),
+                ("partial_recv", part, torch.float32)]  # fmt: skip
+
+    def bind(self, b, purpose, buffer, rank, world_size) -> None:
+        numel = b.layout.numel
+        if purpose == "input":
+            b.input = buffer.narrow(0, 0, numel)
+        elif purpose == "recv":
+            b.recv = buffer.narrow(0, 0, numel)
+        elif purpose == "partial":
+            b.stage = buffer.narrow(0, 0, numel // self.topology.local_size)
+        else:
+            b.stage_recv = buffer.narrow(0, 0, numel // self.topology.local_size)
+
+    def prepare(self, b) -> None:
+        b.wire_kernels = wire.wire_kernels(b.backend)
+
+    def start(self, b, group, collectives) -> Any:
+        first = comm.all_to_all(b.recv, b.input, group=self.node_group, async_op=True, collectives=collectives)
+
+        def rail() -> Any:
+            b.wire_kernels.sum_sources(b.recv, self.topology.local_size, b.stage, 1.0, False, False)
+            return comm.all_to_all(b.stage_recv, b.stage, group=self.rail_group, async_op=True, collectives=collectives)
+
+        return StagedWork(first, rail)
+
+    def unpack(self, b, rank, world_size, collect_stats) -> torch.Tensor | None:
+        return b.wire_kernels.sum_sources(
+            b.stage_recv, self.topology.num_nodes, b.shard, b.unpack_scale, b.accumulate, collect_stats
+        )
+
+
 def make_mode(config: ReducerConfig, world_size: int, topology: Topology | None = None) -> ReductionMode:
     """The mode ``config`` names, for a group of ``world_size`` ranks placed on nodes as ``topology`` says.
 
@@ -425,7 +478,9 @@ def make_mode(config: ReducerConfig, world_size: int, topology: Topology | None 
             raise ValueError(f"reduction {config.reduction!r} needs the group's topology (node and rail placement)")
         if not topology.two_stage:
             flat: ReductionMode = ReduceScatter()
-            if topology.num_nodes > 1 and config.reduction.startswith("hier_"):  # one rank per node: all rail
+            if config.reduction == "hier_exact":
+                flat = ExactSum()
+            elif topology.num_nodes > 1 and config.reduction.startswith("hier_"):  # one rank per node: all rail
                 flat = QuantizedWire(config.reduction.removeprefix("hier_"), config.block, config.error_feedback)
             warnings.warn(
                 f"flatgrad: reduction {config.reduction!r} on {topology.num_nodes} node(s) of {topology.local_size} "
@@ -435,6 +490,8 @@ def make_mode(config: ReducerConfig, world_size: int, topology: Topology | None 
             return flat
         if config.reduction == "2d_reduce_scatter":
             return TwoStageReduceScatter(topology)
+        if config.reduction == "hier_exact":
+            return HierarchicalExact(topology)
         return HierarchicalQuantized(topology, config.reduction, config.block, config.error_feedback)
     if config.reduction == "exact":
         return ExactSum()

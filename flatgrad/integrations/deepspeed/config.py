@@ -18,7 +18,7 @@ SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in docs/
 
 _COMM_DTYPES = ("fp32", "bf16", "fp16")
 _METHODS = ("auto", "tensor", "list")
-_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", "2d_reduce_scatter", "hier_int8", "hier_fp8")
+_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", "2d_reduce_scatter", "hier_int8", "hier_fp8", "hier_exact")
 
 
 class UnsupportedConfigError(ValueError):
@@ -50,7 +50,8 @@ class FlatgradConfig:
             see [Note: reduction modes] in ``flatgrad/reducer/modes.py``; or ``2d_reduce_scatter``
             (reduce_scatter in the node, then over the rail; see [Note: two-stage reductions] in
             ``flatgrad/reducer/topology.py``), ``hier_int8`` or ``hier_fp8`` (the node stage, then a
-            quantized all_to_all over the rail). ZeRO-3 refuses the others.
+            quantized all_to_all over the rail), ``hier_exact`` (all_to_alls in both stages, fixed-order
+            fp32 sums). ZeRO-3 refuses the others.
         block: ``int8``/``fp8``/``hier_int8``/``hier_fp8``: elements per fp32 scale, a power of two in [32, 4096].
         error_feedback: the quantized reductions: carry each rank's quantization error into its next step.
         node_size: two-stage reductions: ranks per node; None (the default) takes the launcher's
