@@ -37,12 +37,19 @@ MODES = {
     "exact": {"comm_dtype": torch.bfloat16, "reduction": "exact"},
     "int8": {"comm_dtype": torch.bfloat16, "reduction": "int8"},
     "fp8": {"comm_dtype": torch.bfloat16, "reduction": "fp8"},
+    # Two-stage modes over the ranks split into nodes of --node-size (simulated nodes, real process groups).
+    "2d_reduce_scatter_fp32": {"comm_dtype": torch.float32, "reduction": "2d_reduce_scatter"},
+    "2d_reduce_scatter": {"comm_dtype": torch.bfloat16, "reduction": "2d_reduce_scatter"},
+    "hier_int8": {"comm_dtype": torch.bfloat16, "reduction": "hier_int8"},
+    "hier_fp8": {"comm_dtype": torch.bfloat16, "reduction": "hier_fp8"},
+    "hier_exact": {"comm_dtype": torch.bfloat16, "reduction": "hier_exact"},
 }
 
 
-def _rank(rank: int, world_size: int, batches: int, bucket: int, modes: list[str]) -> dict:
+def _rank(rank: int, world_size: int, batches: int, bucket: int, modes: list[str], node_size: int) -> dict:
     import torch.distributed as dist
 
+    os.environ.update(LOCAL_WORLD_SIZE=str(node_size), LOCAL_RANK=str(rank % node_size))  # a launcher's nodes
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import reduction_modes as rm  # the training bench's model, data and initialisation
 
@@ -77,7 +84,7 @@ def _rank(rank: int, world_size: int, batches: int, bucket: int, modes: list[str
             dist.all_reduce(r)
             ref[p] = (r / world_size).flatten()
         for name in modes:
-            reducer = BucketReducer(buckets, register_hooks=False, **MODES[name])
+            reducer = BucketReducer(buckets, register_hooks=False, node_size=node_size, **MODES[name])
             for p in params:
                 p.grad = grads[p].clone()
                 reducer.mark_ready(p)
@@ -115,11 +122,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--bucket", type=int, default=1_000_000, help="elements per bucket")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--node-size", type=int, default=2, help="ranks per (simulated) node of the two-stage modes")
     parser.add_argument("--out", default="reduction_error", help="path prefix of the .json")
     args = parser.parse_args()
     from flatgrad.testing.launch import run_ranks
 
-    result = run_ranks(_rank, args.ranks, args.batches, args.bucket, args.modes.split(","), timeout=3600)[0]
+    modes = args.modes.split(",")
+    result = run_ranks(_rank, args.ranks, args.batches, args.bucket, modes, args.node_size, timeout=3600)[0]
     for name, row in result.items():
         print(f"{name:20s} " + "  ".join(f"{k} {v:.3e}" for k, v in row.items()))
     with open(args.out + ".json", "w") as f:

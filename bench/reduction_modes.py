@@ -60,6 +60,11 @@ MODES = {
     "exact": {"comm_dtype": "bf16", "reduction": "exact"},
     "int8_ef": {"comm_dtype": "bf16", "reduction": "int8", "error_feedback": True},
     "fp8_ef": {"comm_dtype": "bf16", "reduction": "fp8", "error_feedback": True},
+    # Two-stage modes, on the ranks split into nodes of --node-size (simulated nodes, real process groups).
+    "2d_reduce_scatter": {"comm_dtype": "bf16", "reduction": "2d_reduce_scatter"},
+    "hier_int8": {"comm_dtype": "bf16", "reduction": "hier_int8"},
+    "hier_int8_ef": {"comm_dtype": "bf16", "reduction": "hier_int8", "error_feedback": True},
+    "hier_exact": {"comm_dtype": "bf16", "reduction": "hier_exact"},
     # The noise floor: fp32 communication again, from a slightly different start.
     "fp32_perturbed": {"comm_dtype": "fp32"},
     "fp32_seed1": {"comm_dtype": "fp32"},
@@ -91,10 +96,11 @@ def _eval_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.T
 
 
 def _rank(
-    rank: int, world_size: int, steps: int, batch: int, modes: list[str], eval_every: int, out_path: str, init_seed: int
+    rank: int, world_size: int, steps: int, batch: int, modes: list[str], eval_every: int, out_path: str, init_seed: int,
+    node_size: int,
 ) -> dict:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    os.environ.update(  # what a launcher on nodes of node_size ranks tells each rank
+        RANK=str(rank), LOCAL_RANK=str(rank % node_size), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(node_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu",
     )  # fmt: skip
     import logging
@@ -130,7 +136,7 @@ def _rank(
             "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True}},
             "zero_optimization": {"stage": 2, "reduce_bucket_size": 1_000_000},
-            "flatgrad": dict(MODES[name]),
+            "flatgrad": dict(MODES[name], node_size=node_size),
         }
         engine, *_ = fds.initialize(model=model, config=config, model_parameters=model.parameters())
         losses, evals = [], {}
@@ -161,6 +167,8 @@ def _wire_bytes(reducers: list, mode: dict) -> int | None:
     from flatgrad.kernels import wire
 
     total = 0
+    if mode.get("reduction", "").startswith(("2d_", "hier_")):
+        return None  # two stages: bench/hierarchical.py counts their bytes per stage
     for reducer in reducers:
         w = reducer.world_size
         for layout in reducer.layouts:
@@ -181,6 +189,8 @@ def main() -> None:
     parser.add_argument("--init-seed", type=int, default=0,
                         help="seed of the initial weights (every mode's; fp32_seed1 uses it + 1); the data stay fixed")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    parser.add_argument("--node-size", type=int, default=2,
+                        help="ranks per (simulated) node: the two-stage modes' node groups (default 2)")
     parser.add_argument("--out", default="reduction_modes", help="path prefix of the .json and .png")
     parser.add_argument("--combine", nargs="+", metavar="JSON",
                         help="run nothing: print each mode's gap to fp32 in runs from several --init-seed values "
@@ -194,7 +204,7 @@ def main() -> None:
 
     modes = args.modes.split(",")
     started = time.time()
-    run_args = (args.steps, args.batch, modes, args.eval_every, args.out, args.init_seed)
+    run_args = (args.steps, args.batch, modes, args.eval_every, args.out, args.init_seed, args.node_size)
     result = run_ranks(_rank, args.ranks, *run_args, timeout=24 * 3600)[0]
     summary = {name: _measures(r) for name, r in result.items()}
     base = summary.get("fp32")
