@@ -103,6 +103,25 @@ def test_reduction_mode_rows_move_each_bucket_with_one_all_to_all(small_run):
 
 
 @pytest.mark.timeout(240)
+def test_two_stage_rows_reduce_each_bucket_in_the_node_then_over_the_rail(small_run):
+    _, text, doc, _ = small_run
+    rows = {r["key"]: r for r in doc["rows"]}
+    flat = rows["flatgrad_zero2"]
+    node, rail = [0, 1], [0, 2]  # rank 0 of 4 ranks as 2 nodes of 2
+    twod, hier = rows["flatgrad_zero2_2d"], rows["flatgrad_zero2_hier_int8"]
+    assert "2d_reduce_scatter, 2 nodes" in text and "hier_int8, 2 nodes" in text
+    for row in (twod, hier):
+        calls = row["reduction_calls_rank0"]
+        assert [c["group"] for c in calls].count(node) == [c["group"] for c in calls].count(rail) == flat["reductions"]
+        assert {c["op"] for c in calls if c["group"] == node} == {"reduce_scatter"}
+    assert {c["op"] for c in twod["reduction_calls_rank0"] if c["group"] == rail} == {"reduce_scatter"}
+    assert {(c["op"], c["dtype"]) for c in hier["reduction_calls_rank0"] if c["group"] == rail} == {("grad_all_to_all", "uint8")}
+    # fp32 demo: a node sum, then a rail sum, where the flat ring sums in another order; int8 is quantized.
+    assert twod["max_loss_diff"] <= 1e-5
+    assert hier["max_loss_diff"] <= 1e-3
+
+
+@pytest.mark.timeout(240)
 def test_losses_match_stock(small_run):
     _, text, doc, _ = small_run
     rows = {r["key"]: r for r in doc["rows"]}

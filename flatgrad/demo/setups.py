@@ -6,6 +6,10 @@ flatgrad ZeRO-2 with that reduction mode (all_to_all instead of
 reduce_scatter; ``int8`` with error feedback); the ``offload`` rows offload the
 optimizer to the CPU (pinned host partitions, torch's AdamW there), stock's
 offload against flatgrad's. Models come from ``flatgrad.planner.models``,
+reduce_scatter; ``int8`` with error feedback). The ``2d_reduce_scatter`` and
+``hier_int8`` rows split the ranks into two nodes (``nodes``; simulated: the
+ranks share one machine, the node and rail process groups are real; see
+[Note: two-stage reductions] in ``flatgrad/reducer/topology.py``). Models come from ``flatgrad.planner.models``,
 the definitions ``flatgrad plan`` schedules:
 
 * ZeRO-2: ``seed-moe``, the seed thread's model (docs/design.md "The seed model"):
@@ -25,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Setup", "SETUPS", "SEED_MODEL", "DENSE", "by_key", "ds_config", "build_model", "make_batches"]
+__all__ = ["Setup", "SETUPS", "SEED_MODEL", "DENSE", "by_key", "ds_config", "build_model", "make_batches", "node_size"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,8 @@ class Setup:
         options: the ``"flatgrad"`` config section of a flatgrad setup, as ``(key, value)`` pairs
             (the reduction mode; see [Note: reduction modes] in ``flatgrad/reducer/modes.py``).
         offload: ``offload_optimizer: {device: cpu, pin_memory: true}`` (ZeRO-Offload).
+        nodes: a two-stage setup's number of (simulated) nodes: ``node_size`` is the world size over it,
+            and the ranks are told so as a launcher on such nodes would (None: one node).
     """
 
     key: str
@@ -52,6 +58,7 @@ class Setup:
     reference: str
     options: tuple[tuple[str, Any], ...] = ()
     offload: bool = False
+    nodes: int | None = None
 
 
 SETUPS: tuple[Setup, ...] = (
@@ -61,6 +68,10 @@ SETUPS: tuple[Setup, ...] = (
     Setup("flatgrad_zero2_exact", "flatgrad ZeRO-2, exact", 2, True, None, "stock_zero2", (("reduction", "exact"),)),
     Setup("flatgrad_zero2_int8", "flatgrad ZeRO-2, int8 + error feedback", 2, True, None, "stock_zero2",
           (("reduction", "int8"), ("error_feedback", True))),  # fmt: skip
+    Setup("flatgrad_zero2_2d", "flatgrad ZeRO-2, 2d_reduce_scatter, 2 nodes", 2, True, None, "stock_zero2",
+          (("reduction", "2d_reduce_scatter"),), nodes=2),  # fmt: skip
+    Setup("flatgrad_zero2_hier_int8", "flatgrad ZeRO-2, hier_int8, 2 nodes", 2, True, None, "stock_zero2",
+          (("reduction", "hier_int8"),), nodes=2),  # fmt: skip
     Setup("stock_zero2_offload", "stock ZeRO-2, CPU offload", 2, False, True, "stock_zero2_offload", offload=True),
     Setup("flatgrad_zero2_offload", "flatgrad ZeRO-2, CPU offload", 2, True, None, "stock_zero2_offload",
           offload=True),  # fmt: skip
@@ -109,7 +120,18 @@ def ds_config(setup: Setup, *, world_size: int, micro_batch: int, bucket: int, d
         raise ValueError(f"--dtype must be fp32 or bf16, got {dtype!r}")
     if setup.flatgrad:
         cfg["flatgrad"] = dict(setup.options)
+        if setup.nodes is not None:
+            cfg["flatgrad"]["node_size"] = node_size(setup, world_size)
     return cfg
+
+
+def node_size(setup: Setup, world_size: int) -> int | None:
+    """Ranks per node of a two-stage setup (None: one node)."""
+    if setup.nodes is None:
+        return None
+    if world_size % setup.nodes:
+        raise ValueError(f"setup {setup.key!r} splits the ranks into {setup.nodes} nodes; world size {world_size} does not")
+    return world_size // setup.nodes
 
 
 def build_model(model: tuple[str, dict[str, Any]], seed: int) -> torch.nn.Module:

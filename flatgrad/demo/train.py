@@ -23,11 +23,12 @@ are the memory figures. Nothing is timed then.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -36,7 +37,7 @@ from ..testing.census import MemoryCensus
 from ..testing.collectives import CollectiveRecorder
 from ..testing.deepspeed_rank import init_deepspeed
 from ..testing.launch import send_message
-from .setups import DENSE, SEED_MODEL, Setup, build_model, ds_config, make_batches
+from .setups import DENSE, SEED_MODEL, Setup, build_model, ds_config, make_batches, node_size
 
 __all__ = ["Options", "rank_main"]
 
@@ -99,7 +100,29 @@ def _engine(setup: Setup, model: torch.nn.Module, options: Options, world_size: 
     cfg = ds_config(setup, world_size=world_size, micro_batch=options.micro_batch, bucket=options.bucket,
                     dtype=options.dtype, lr=options.lr)  # fmt: skip
     initialize = flatgrad_ds.initialize if setup.flatgrad else deepspeed.initialize
-    return initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    with _simulated_nodes(node_size(setup, world_size)):
+        return initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+
+@contextlib.contextmanager
+def _simulated_nodes(local_size: int | None) -> Iterator[None]:
+    """While an engine is built: tell this rank it is on a node of ``local_size`` ranks, as a launcher would.
+
+    The demo's ranks share one machine; a two-stage setup splits them into nodes (see ``Setup.nodes``).
+    """
+    if local_size is None:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(LOCAL_WORLD_SIZE=str(local_size), LOCAL_RANK=str(torch.distributed.get_rank() % local_size))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _zero3_model(options: Options, world_size: int, zero3: list[Setup]) -> tuple[tuple[str, dict], str | None]:
