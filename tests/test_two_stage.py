@@ -437,3 +437,22 @@ def test_hier_exact_is_a_fixed_function_of_the_gradients(world_size, node_size):
     # power of two; at W = 6 the error is 1.05x the flat one's.)
     exact, flat = squared[str(torch.bfloat16)]
     assert exact < flat, (exact**0.5, flat**0.5)
+
+
+def test_flatgrad_config_takes_node_size_and_the_two_stage_reductions():
+    from flatgrad.integrations.deepspeed.config import FlatgradConfig, UnsupportedConfigError
+    from flatgrad.reducer import ReducerConfig
+
+    for reduction in ("2d_reduce_scatter", "hier_int8", "hier_fp8", "hier_exact"):
+        assert FlatgradConfig.from_dict({"reduction": reduction, "node_size": 8}).node_size == 8
+        assert ReducerConfig(reduction=reduction, node_size=8).node_size == 8
+    assert FlatgradConfig.from_dict({"reduction": "hier_int8", "error_feedback": True}).error_feedback
+    for bad in (0, -2, 1.5, True, "8"):
+        with pytest.raises(UnsupportedConfigError, match="'flatgrad.node_size' must be a positive int"):
+            FlatgradConfig.from_dict({"node_size": bad})
+        with pytest.raises(ValueError, match="node_size must be an int >= 1"):
+            ReducerConfig(node_size=bad)
+    with pytest.raises(UnsupportedConfigError, match="'flatgrad.error_feedback' needs"):
+        FlatgradConfig.from_dict({"reduction": "2d_reduce_scatter", "error_feedback": True})
+    with pytest.raises(ValueError, match="error_feedback needs a quantized reduction"):
+        ReducerConfig(reduction="hier_exact", error_feedback=True)
