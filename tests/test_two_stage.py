@@ -219,7 +219,8 @@ def _one_node_rank(rank: int, world_size: int, reduction: str, node_size: int, f
 @pytest.mark.parametrize(
     "reduction, node_size, flat_mode",
     [("2d_reduce_scatter", 4, "reduce_scatter"), ("2d_reduce_scatter", 1, "reduce_scatter"),
-     ("hier_int8", 4, "reduce_scatter"), ("hier_fp8", 1, "fp8"), ("hier_exact", 4, "exact")],
+     ("hier_int8", 4, "reduce_scatter"), ("hier_fp8", 1, "fp8"), ("hier_exact", 4, "exact"),
+     ("qgz_int8", 1, "int8")],
 )  # fmt: skip
 def test_one_stage_topologies_fall_back_to_the_flat_mode_with_a_warning(reduction, node_size, flat_mode):
     for name, messages, same in run_ranks(_one_node_rank, 4, reduction, node_size, flat_mode, timeout=50):
@@ -456,3 +457,88 @@ def test_flatgrad_config_takes_node_size_and_the_two_stage_reductions():
         FlatgradConfig.from_dict({"reduction": "2d_reduce_scatter", "error_feedback": True})
     with pytest.raises(ValueError, match="error_feedback needs a quantized reduction"):
         ReducerConfig(reduction="hier_exact", error_feedback=True)
+
+
+# ------------------------------------------------------------------ qgz_int8 / qgz_fp8
+
+
+def _qgz_expected(reducer, everyone, rank, world_size, comm_dtype, block, kind, residuals, shards) -> None:
+    """Every rank's pack, node quantize, node dequantize-sum, requantize and rail exchange, replayed."""
+    from flatgrad.kernels import reference, wire_reference
+
+    t = reducer.topology
+    n_nodes, local = t.num_nodes, t.local_size
+    me_node, me_local = divmod(rank, local)
+    for b, layout in enumerate(reducer.layouts):
+        s, part = layout.shard_numel, n_nodes * layout.shard_numel
+        ordered = layout.reordered(t.positions)
+        node_seg, rail_seg = wire_reference.segment_bytes(part, block), wire_reference.segment_bytes(s, block)
+        rail_segments = []
+        for n in range(n_nodes):  # the rail peer on node n: its node partial, requantized, segment me_node
+            node_segments = []
+            for l in range(local):
+                r = n * local + l
+                packed = torch.empty(layout.numel, dtype=comm_dtype)
+                reference.pack(everyone[r][b], ordered, packed, 1.0)
+                w = torch.zeros(local * node_seg, dtype=torch.uint8)
+                first = None if residuals is None else residuals["node"][r][b]
+                wire_reference.quantize(packed, local, block, kind, w, first)
+                node_segments.append(w[me_local * node_seg : (me_local + 1) * node_seg])
+            partial = torch.empty(part)
+            wire_reference.dequantize_sum(torch.cat(node_segments), local, block, kind, partial, 1.0, False)
+            w = torch.zeros(n_nodes * rail_seg, dtype=torch.uint8)
+            second = None if residuals is None else residuals["rail"][n][b]
+            wire_reference.quantize(partial, n_nodes, block, kind, w, second)
+            rail_segments.append(w[me_node * rail_seg : (me_node + 1) * rail_seg])
+        accumulate = shards[b] is not None
+        if shards[b] is None:
+            shards[b] = torch.empty(s)
+        wire_reference.dequantize_sum(torch.cat(rail_segments), n_nodes, block, kind, shards[b], 1.0 / world_size, accumulate)
+
+
+def _qgz_rank(rank: int, world_size: int) -> list:
+    out = []
+    block = 64
+    for reduction, feedback, comm_dtype in (
+        ("qgz_int8", False, torch.float32), ("qgz_int8", True, torch.bfloat16), ("qgz_fp8", True, torch.float32),
+    ):  # fmt: skip
+        params = [nn.Parameter(torch.zeros(n)) for n in NUMELS]
+        reducer = BucketReducer(
+            [params[:2], params[2:]], comm_dtype=comm_dtype, reduction=reduction, node_size=2, block=block,
+            error_feedback=feedback, register_hooks=False,
+        )  # fmt: skip
+        assert type(reducer.mode).__name__ == "QuantizedTwoStage"
+        n_nodes = reducer.topology.num_nodes
+        residuals = None
+        if feedback:
+            residuals = {
+                "node": [[torch.zeros(lay.numel) for lay in reducer.layouts] for _ in range(world_size)],
+                "rail": [[torch.zeros(n_nodes * lay.shard_numel) for lay in reducer.layouts] for _ in range(n_nodes)],
+            }
+        shards: list = [None] * len(reducer.layouts)
+        for step in range(3):  # a window of 2 micro-steps, then one of 1
+            grads = _grads(rank, step, comm_dtype)
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            for p in reversed(params):
+                reducer.mark_ready(p)
+            reducer.finish()
+            everyone: list = [None] * world_size
+            dist.all_gather_object(everyone, [grads[:2], grads[2:]])
+            kind = reduction.removeprefix("qgz_")
+            _qgz_expected(reducer, everyone, rank, world_size, comm_dtype, block, kind, residuals, shards)
+            if step != 0:
+                got = [gs.shard.clone() for gs in reducer.grad_shards()]
+                out.append((f"{reduction} feedback={feedback} {comm_dtype} step {step}", got, [x.clone() for x in shards]))
+                reducer.zero_grad()
+                shards = [None] * len(shards)
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size", [4, 6])
+def test_qgz_bitwise_equal_reference(world_size):
+    for rank, per_mode in enumerate(run_ranks(_qgz_rank, world_size, timeout=180)):
+        for label, got, expected in per_mode:
+            for b, (g, e) in enumerate(zip(got, expected)):
+                assert torch.equal(g, e), f"rank {rank} bucket {b} {label}: max diff {(g - e).abs().max()}"

@@ -50,10 +50,9 @@ with ``local`` ranks of the group per node and ``p - local`` peers elsewhere:
   over a few channels, but each network send is its own operation on the proxy
   thread; a ring has the same step count but only ``nodes - 1`` IB steps.
 
-Hierarchical modes (``reduction_calls``; the reducer implements
-``2d_reduce_scatter``, ``hier_int8`` and ``hier_fp8``, see [Note: two-stage
-reductions] in ``flatgrad/reducer/topology.py``, whose placement of the ranks
-on nodes and rails this model uses) split a group spread evenly over nodes into an intra-node stage over the
+Hierarchical modes (``reduction_calls``; the reducer implements all four,
+see [Note: two-stage reductions] in ``flatgrad/reducer/topology.py``, whose
+placement of the ranks on nodes and rails this model uses) split a group spread evenly over nodes into an intra-node stage over the
 rank's node and an inter-node stage over its rail (the ranks with its local
 index, one per node, which owns ``1 / local`` of the bucket after the first
 stage), in the manner of ZeRO++'s qgZ:
@@ -104,7 +103,7 @@ __all__ = ["CostModel", "DEFAULT", "FLAT_MODES", "HIERARCHICAL_MODES", "MODES", 
 FLAT_MODES = ("reduce_scatter", "exact", "int8", "fp8")
 """The reducer's modes: one call per bucket over its group. See [Note: reduction modes] in ``flatgrad/reducer/modes.py``."""
 HIERARCHICAL_MODES = ("2d_reduce_scatter", "hier_exact", "hier_int8", "qgz_int8")
-"""Two-stage modes (``hier_exact`` and ``qgz_int8`` modelled only). See [Note: all_to_all cost]."""
+"""Two-stage modes (the reducer's, placed as it places them). See [Note: all_to_all cost]."""
 MODES = FLAT_MODES + HIERARCHICAL_MODES
 
 

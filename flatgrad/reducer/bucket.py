@@ -30,7 +30,7 @@ class Bucket:
     __slots__ = (
         "id", "params", "layout", "device", "comm_dtype", "op", "method", "backend", "mode", "pack_scale",
         "unpack_scale", "pack_plan", "unpack_plan", "wire_kernels", "residual", "pieces", "previous",
-        "input", "input_chunks", "output", "stage", "stage_chunks", "stage_recv", "recv", "wire_send", "wire_recv",
+        "input", "input_chunks", "output", "stage", "stage_chunks", "stage_recv", "recv", "wire_send", "wire_recv", "rail_send", "rail_recv",
         "shard", "accumulate", "stats", "unpacked", "in_flight", "pack_stream", "unpack_stream",
         "ready", "not_ready", "pending", "launched", "work",
     )  # fmt: skip
@@ -72,7 +72,7 @@ class Bucket:
         self.pieces = tuple(layout.pieces(rank))
         self.previous: Bucket | None = None  # the comm buffer's previous occupant: see [Note: comm buffer pool]
         self.input = self.input_chunks = self.output = self.stage = self.stage_chunks = self.stage_recv = None
-        self.recv = self.wire_send = self.wire_recv = None
+        self.recv = self.wire_send = self.wire_recv = self.rail_send = self.rail_recv = None
         self.shard: torch.Tensor | None = None
         self.accumulate = False
         self.stats: torch.Tensor | None = None
@@ -95,7 +95,7 @@ class Bucket:
     def unbind(self) -> None:
         """Drop the views of the pool buffers (the pools are given back)."""
         self.input = self.input_chunks = self.output = self.stage = self.stage_chunks = self.stage_recv = None
-        self.recv = self.wire_send = self.wire_recv = None
+        self.recv = self.wire_send = self.wire_recv = self.rail_send = self.rail_recv = None
 
     def grads(self) -> list[torch.Tensor | None]:
         """The bucket's gradients as pack inputs: missing ones are None (packed as zeros), odd ones are checked."""

@@ -12,7 +12,7 @@ from ..kernels import wire
 __all__ = ["LAYOUT_KINDS", "REDUCTIONS", "TWO_STAGE_REDUCTIONS", "ReducerConfig"]
 
 LAYOUT_KINDS = ("flat", "chunked")
-TWO_STAGE_REDUCTIONS = ("2d_reduce_scatter", "hier_int8", "hier_fp8", "hier_exact")
+TWO_STAGE_REDUCTIONS = ("2d_reduce_scatter", "hier_int8", "hier_fp8", "hier_exact", "qgz_int8", "qgz_fp8")
 REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", *TWO_STAGE_REDUCTIONS)
 
 
@@ -43,9 +43,10 @@ class ReducerConfig:
             [Note: reduction modes]: ``"exact"``, ``"int8"``, ``"fp8"``, or the two-stage
             ``"2d_reduce_scatter"`` (node stage, then rail stage; see [Note: two-stage reductions]) and
             ``"hier_int8"`` / ``"hier_fp8"`` (the node stage, then a quantized all_to_all over the rail) and
-            ``"hier_exact"`` (all_to_alls in both stages, fixed-order fp32 sums: deterministic).
-        block: int8/fp8/hier_int8/hier_fp8: elements per fp32 scale, a power of two in [32, 4096].
-        error_feedback: int8/fp8/hier_int8/hier_fp8: carry each rank's quantization error into its next
+            ``"hier_exact"`` (all_to_alls in both stages, fixed-order fp32 sums: deterministic) and
+            ``"qgz_int8"`` / ``"qgz_fp8"`` (quantized all_to_alls in both stages, ZeRO++ qgZ's schedule).
+        block: the quantized modes (int8, fp8, hier_*, qgz_*): elements per fp32 scale, a power of two in [32, 4096].
+        error_feedback: the quantized modes: carry each rank's quantization error into its next
             quantize.
         node_size: two-stage reductions: ranks per node (``None``: the launcher's
             ``LOCAL_WORLD_SIZE``, else the world size); it must divide the world size and equal
@@ -86,11 +87,11 @@ class ReducerConfig:
         wire.check_block(self.block, "block")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
-        kind = self.reduction.removeprefix("hier_")
+        kind = self.reduction.removeprefix("hier_").removeprefix("qgz_")
         if kind in wire.KINDS:
             wire.check_kind(kind, "reduction")
         elif self.error_feedback:
-            raise ValueError(f"error_feedback needs a quantized reduction (int8, fp8, hier_int8, hier_fp8), not {self.reduction!r}")
+            raise ValueError(f"error_feedback needs a quantized reduction (int8, fp8, hier_*, qgz_*), not {self.reduction!r}")
 
         if self.node_size is not None and (
             isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1

@@ -56,6 +56,18 @@ mode it runs; adding a mode is one new class here plus its kernels.
   move bytes: the shards are a fixed function of the gradients, bitwise the
   same run to run, whatever the collectives' algorithms.
 
+* ``"qgz_int8"`` / ``"qgz_fp8"`` (``QuantizedTwoStage``, ZeRO++ qgZ's schedule):
+  the pack of ``2d_reduce_scatter`` into the comm dtype, one quantize of it
+  as L wire segments (one per node peer, ``N * S`` elements each), one
+  all_to_all in the node, then between the stages ``wire.dequantize_sum`` of
+  the L received segments into an fp32 node partial and one quantize of that
+  as N segments, one all_to_all over the rail, and ``wire.dequantize_sum`` of
+  the N received segments as the unpack. Two kernels between the stages, with
+  an fp32 partial of ``N * S`` elements between them, not one. With
+  ``error_feedback`` both quantizes carry a residual (``W * S + N * S`` fp32
+  elements per bucket). The wire is quantized from the comm-dtype pack: with a
+  bf16 ``comm_dtype`` the values round to bf16 first (use fp32 to avoid it).
+
 On a one-rank group nothing is sent, so every mode takes the reduce_scatter
 path (a copy through the comm dtype): a quantized wire would only add its
 rounding, and error feedback would carry it. That is the MoE expert group of
@@ -91,7 +103,7 @@ if TYPE_CHECKING:
     from .bucket import Bucket
 
 __all__ = [
-    "DividedReduceScatter", "ExactSum", "HierarchicalExact", "HierarchicalQuantized", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "StagedWork",
+    "DividedReduceScatter", "ExactSum", "HierarchicalExact", "HierarchicalQuantized", "QuantizedTwoStage", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "StagedWork",
     "TwoStageReduceScatter", "make_mode",
 ]  # fmt: skip
 
@@ -464,6 +476,75 @@ class HierarchicalExact(TwoStageReduceScatter):
         )
 
 
+class QuantizedTwoStage(TwoStageReduceScatter):
+    """int8/fp8 all_to_alls in both stages, dequantize + fp32 sum + requantize between them (ZeRO++ qgZ)."""
+
+    def __init__(self, topology: Topology, name: str, block: int, error_feedback: bool) -> None:
+        super().__init__(topology)
+        self.name = name
+        self.kind = name.removeprefix("qgz_")
+        self.block = block
+        self.error_feedback = error_feedback
+
+    def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
+        return ReductionMode.averaging(self, average, world_size, dtype, group, device)  # fp32 sums: 1/W in the unpack
+
+    def _sizes(self, layout: Layout) -> tuple[int, int, int]:
+        """(node partial elements, node wire bytes, rail wire bytes) of one bucket."""
+        t, s = self.topology, layout.shard_numel
+        part = t.num_nodes * s
+        return part, t.local_size * wire.segment_bytes(part, self.block), t.num_nodes * wire.segment_bytes(s, self.block)
+
+    def residual(self, layout, device) -> torch.Tensor | None:
+        if not self.error_feedback:
+            return None
+        return torch.zeros(layout.numel + self._sizes(layout)[0], dtype=torch.float32, device=device)
+
+    def pool_slots(self, buckets, world_size) -> list[PoolSlot]:
+        sizes = [self._sizes(b.layout) for b in buckets]
+        node, rail = max(x[1] for x in sizes), max(x[2] for x in sizes)
+        return [
+            *super().pool_slots(buckets, world_size), ("wire_send", node, torch.uint8), ("wire_recv", node, torch.uint8),
+            ("partial", max(x[0] for x in sizes), torch.float32), ("rail_send", rail, torch.uint8),
+            ("rail_recv", rail, torch.uint8),
+        ]  # fmt: skip
+
+    def bind(self, b, purpose, buffer, rank, world_size) -> None:
+        part, node, rail = self._sizes(b.layout)
+        if purpose == "input":
+            b.input = buffer.narrow(0, 0, b.layout.numel)
+        elif purpose == "partial":
+            b.stage = buffer.narrow(0, 0, part)
+        elif purpose in ("wire_send", "wire_recv"):
+            setattr(b, purpose, buffer.narrow(0, 0, node))
+        else:
+            setattr(b, purpose, buffer.narrow(0, 0, rail))
+
+    def prepare(self, b) -> None:
+        b.wire_kernels = wire.wire_kernels(b.backend)
+
+    def start(self, b, group, collectives) -> Any:
+        t, k = self.topology, b.wire_kernels
+        numel = b.layout.numel
+        first_residual = None if b.residual is None else b.residual.narrow(0, 0, numel)
+        k.quantize(b.input, t.local_size, self.block, self.kind, b.wire_send, first_residual)
+        first = comm.all_to_all(b.wire_recv, b.wire_send, group=self.node_group, async_op=True, collectives=collectives)
+
+        def rail() -> Any:
+            k.dequantize_sum(b.wire_recv, t.local_size, self.block, self.kind, b.stage, 1.0, False, False)
+            second_residual = None if b.residual is None else b.residual.narrow(0, numel, b.stage.numel())
+            k.quantize(b.stage, t.num_nodes, self.block, self.kind, b.rail_send, second_residual)
+            return comm.all_to_all(b.rail_recv, b.rail_send, group=self.rail_group, async_op=True, collectives=collectives)
+
+        return StagedWork(first, rail)
+
+    def unpack(self, b, rank, world_size, collect_stats) -> torch.Tensor | None:
+        return b.wire_kernels.dequantize_sum(
+            b.rail_recv, self.topology.num_nodes, self.block, self.kind, b.shard, b.unpack_scale, b.accumulate,
+            collect_stats,
+        )  # fmt: skip
+
+
 def make_mode(config: ReducerConfig, world_size: int, topology: Topology | None = None) -> ReductionMode:
     """The mode ``config`` names, for a group of ``world_size`` ranks placed on nodes as ``topology`` says.
 
@@ -482,6 +563,8 @@ def make_mode(config: ReducerConfig, world_size: int, topology: Topology | None 
                 flat = ExactSum()
             elif topology.num_nodes > 1 and config.reduction.startswith("hier_"):  # one rank per node: all rail
                 flat = QuantizedWire(config.reduction.removeprefix("hier_"), config.block, config.error_feedback)
+            elif config.reduction.startswith("qgz_"):  # one quantized stage is left: the flat quantized mode
+                flat = QuantizedWire(config.reduction.removeprefix("qgz_"), config.block, config.error_feedback)
             warnings.warn(
                 f"flatgrad: reduction {config.reduction!r} on {topology.num_nodes} node(s) of {topology.local_size} "
                 f"rank(s) has one stage only; running {flat.name!r} (node_size={topology.node_size})",
@@ -492,6 +575,8 @@ def make_mode(config: ReducerConfig, world_size: int, topology: Topology | None 
             return TwoStageReduceScatter(topology)
         if config.reduction == "hier_exact":
             return HierarchicalExact(topology)
+        if config.reduction.startswith("qgz_"):
+            return QuantizedTwoStage(topology, config.reduction, config.block, config.error_feedback)
         return HierarchicalQuantized(topology, config.reduction, config.block, config.error_feedback)
     if config.reduction == "exact":
         return ExactSum()

@@ -18,7 +18,7 @@ SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in docs/
 
 _COMM_DTYPES = ("fp32", "bf16", "fp16")
 _METHODS = ("auto", "tensor", "list")
-_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", "2d_reduce_scatter", "hier_int8", "hier_fp8", "hier_exact")
+_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", "2d_reduce_scatter", "hier_int8", "hier_fp8", "hier_exact", "qgz_int8", "qgz_fp8")
 
 
 class UnsupportedConfigError(ValueError):
@@ -51,7 +51,8 @@ class FlatgradConfig:
             (reduce_scatter in the node, then over the rail; see [Note: two-stage reductions] in
             ``flatgrad/reducer/topology.py``), ``hier_int8`` or ``hier_fp8`` (the node stage, then a
             quantized all_to_all over the rail), ``hier_exact`` (all_to_alls in both stages, fixed-order
-            fp32 sums). ZeRO-3 refuses the others.
+            fp32 sums), ``qgz_int8`` or ``qgz_fp8`` (quantized all_to_alls in both stages). ZeRO-3 refuses
+            the others.
         block: ``int8``/``fp8``/``hier_int8``/``hier_fp8``: elements per fp32 scale, a power of two in [32, 4096].
         error_feedback: the quantized reductions: carry each rank's quantization error into its next step.
         node_size: two-stage reductions: ranks per node; None (the default) takes the launcher's
@@ -116,8 +117,8 @@ class FlatgradConfig:
 
         try:
             wire.check_block(cfg.block, f"'{SECTION}.block'")
-            if cfg.reduction.removeprefix("hier_") in wire.KINDS:
-                wire.check_kind(cfg.reduction.removeprefix("hier_"), f"'{SECTION}.reduction'")
+            if cfg.reduction.removeprefix("hier_").removeprefix("qgz_") in wire.KINDS:
+                wire.check_kind(cfg.reduction.removeprefix("hier_").removeprefix("qgz_"), f"'{SECTION}.reduction'")
         except ValueError as exc:
             raise UnsupportedConfigError(str(exc)) from exc
         if not isinstance(cfg.error_feedback, bool):
@@ -128,9 +129,9 @@ class FlatgradConfig:
             raise UnsupportedConfigError(f"'{SECTION}.node_size' must be a positive int, got {cfg.node_size!r}")
         if not isinstance(cfg.announce, bool):
             raise UnsupportedConfigError(f"'{SECTION}.announce' must be true or false, got {cfg.announce!r}")
-        if cfg.error_feedback and cfg.reduction.removeprefix("hier_") not in wire.KINDS:
+        if cfg.error_feedback and cfg.reduction.removeprefix("hier_").removeprefix("qgz_") not in wire.KINDS:
             raise UnsupportedConfigError(
-                f"'{SECTION}.error_feedback' needs '{SECTION}.reduction' 'int8', 'fp8', 'hier_int8' or 'hier_fp8', "
+                f"'{SECTION}.error_feedback' needs '{SECTION}.reduction' 'int8', 'fp8', 'hier_*' or 'qgz_*', "
                 f"not {cfg.reduction!r}"
             )
         return cfg
