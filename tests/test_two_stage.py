@@ -542,3 +542,36 @@ def test_qgz_bitwise_equal_reference(world_size):
         for label, got, expected in per_mode:
             for b, (g, e) in enumerate(zip(got, expected)):
                 assert torch.equal(g, e), f"rank {rank} bucket {b} {label}: max diff {(g - e).abs().max()}"
+
+
+# ------------------------------------------------------------------ a strided subgroup (MoE's expert data parallelism)
+
+
+def _subgroup_rank(rank: int, world_size: int) -> dict:
+    """8 ranks on nodes of 4; the even and the odd ranks each reduce over their own group (2 nodes x 2 members)."""
+    os.environ.update(LOCAL_WORLD_SIZE="4", LOCAL_RANK=str(rank % 4))
+    groups = [dist.new_group([0, 2, 4, 6]), dist.new_group([1, 3, 5, 7])]  # every rank makes both, in one order
+    group = groups[rank % 2]
+    out = {}
+    for reduction in ("reduce_scatter", "2d_reduce_scatter"):
+        params = [nn.Parameter(torch.zeros(n)) for n in NUMELS]
+        reducer = BucketReducer([params[:2], params[2:]], process_group=group, reduction=reduction, register_hooks=False)
+        gen = torch.Generator().manual_seed(rank)
+        for p in params:  # small integers: every sum is exact, whatever its order
+            p.grad = torch.randint(-8, 9, (p.numel(),), generator=gen).float()
+        for p in reversed(params):
+            reducer.mark_ready(p)
+        reducer.finish()
+        out[reduction] = ([gs.shard.clone() for gs in reducer.grad_shards()], reducer.topology)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_2d_reduce_scatter_over_a_strided_subgroup_places_its_members_by_node():
+    for rank, out in enumerate(run_ranks(_subgroup_rank, 8, timeout=100)):
+        (flat, _), (twod, topology) = out["reduce_scatter"], out["2d_reduce_scatter"]
+        assert (topology.num_nodes, topology.local_size) == (2, 2), rank
+        assert topology.node_ranks == tuple(r for r in range(rank % 2, 8, 2) if r // 4 == rank // 4), rank
+        assert topology.rail_ranks == (rank % 4, rank % 4 + 4), rank
+        for b, (a, c) in enumerate(zip(twod, flat)):
+            assert torch.equal(a, c), (rank, b)
