@@ -245,7 +245,7 @@ def _zero2_rank(rank: int, world_size: int, root: str) -> dict:
     _as_nodes(rank, 2)
     batches = make_batches(rank, 16, 2, 13, 5)
     out: dict = {}
-    for reduction in ("reduce_scatter", "2d_reduce_scatter"):
+    for reduction in ("reduce_scatter", "2d_reduce_scatter", "hier_int8", "int8"):
         cfg = ds_config(2, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": "fp32"})
         torch.manual_seed(0)
         engine, *_ = fds.initialize(model=MLP(), config=cfg)
@@ -266,15 +266,20 @@ def _zero2_rank(rank: int, world_size: int, root: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_deepspeed_zero2_2d_reduce_scatter_on_two_nodes_of_two_matches_flat_and_checkpoints_load(tmp_path):
+def test_deepspeed_zero2_two_stage_on_two_nodes_of_two_matches_flat_and_checkpoints_load(tmp_path):
     from _ds import launch
 
     for rank, out in enumerate(launch(_zero2_rank, 4, str(tmp_path), timeout=280)):
-        flat, twod = out["reduce_scatter"], out["2d_reduce_scatter"]
+        flat, twod, hier = out["reduce_scatter"], out["2d_reduce_scatter"], out["hier_int8"]
         assert twod["modes"] == {"TwoStageReduceScatter"} and flat["modes"] == {"ReduceScatter"}, rank
-        assert len(twod["losses"]) == len(flat["losses"]) == 16
+        assert hier["modes"] == {"HierarchicalQuantized"}, rank
+        assert len(twod["losses"]) == len(flat["losses"]) == len(hier["losses"]) == 16
         assert max(abs(a - b) for a, b in zip(twod["losses"], flat["losses"])) <= 1e-6, (rank, twod["losses"], flat["losses"])
-        for run in (flat, twod):
+        assert hier["losses"] != flat["losses"]  # it did quantize
+        # The bound tests/test_deepspeed_zero2.py puts on the flat int8 wire; the flat int8 run is checked beside it.
+        for quantized in (hier, out["int8"]):
+            torch.testing.assert_close(quantized["losses"], flat["losses"], rtol=0.02, atol=0)
+        for run in (flat, twod, hier, out["int8"]):
             assert run["resumed_losses"] == run["losses"][8:], rank  # the checkpoint resumes bitwise
             assert all(torch.equal(run["resumed_params"][n], p) for n, p in run["params"].items()), rank
 
