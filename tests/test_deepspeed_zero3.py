@@ -497,20 +497,23 @@ def test_initialize_refuses_unsupported_features(key: str) -> None:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_offload_given_as_deepspeeds_enum_is_refused_before_deepspeed_starts(stage: int) -> None:
-    """DeepSpeed's own tests write ``{"device": OffloadDeviceEnum.cpu}``; refused at planning like ``"cpu"``.
-
-    Refused only after the engine was built, ``patch()`` could not hand the config to stock DeepSpeed.
+    """DeepSpeed's own tests write ``{"device": OffloadDeviceEnum.cpu}``: judged at planning exactly as ``"cpu"``
+    (NVMe refused, naming the key), so that ``patch()`` can still hand a refused config to stock DeepSpeed.
     """
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
     from flatgrad.integrations.deepspeed.config import UnsupportedConfigError
     from flatgrad.integrations.deepspeed.support import check_supported as check
+    from flatgrad.integrations.deepspeed.support import refusals
 
     for device in (OffloadDeviceEnum.cpu, OffloadDeviceEnum.nvme):
-        cfg = ds_config(stage)
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": device}
-        with pytest.raises(UnsupportedConfigError, match="offload_optimizer"):
-            check(cfg)
+        as_enum, as_name = ds_config(stage), ds_config(stage)
+        as_enum["zero_optimization"]["offload_optimizer"] = {"device": device}
+        as_name["zero_optimization"]["offload_optimizer"] = {"device": device.value}
+        assert refusals(as_enum) == refusals(as_name)
+        if device is OffloadDeviceEnum.nvme:
+            with pytest.raises(UnsupportedConfigError, match="offload_optimizer"):
+                check(as_enum)
     cfg = ds_config(stage)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": OffloadDeviceEnum.none}
     check(cfg)
