@@ -394,6 +394,13 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
             + self._stats_order.nbytes + step_stats + stock_norm
         )  # fmt: skip
 
+    def _collective_words(self) -> str:
+        """What moves a bucket, for the take-over line: the reduce_scatter method, or the reduction mode's name."""
+        names = sorted({r.mode.name for r in self.reducers if r.world_size > 1} or {"reduce_scatter"})
+        if names == ["reduce_scatter"]:
+            return f"one reduce_scatter ({', '.join(sorted(self.methods))})"
+        return "the " + " / ".join(names) + " reduction"
+
     def describe(self) -> str:
         """The take-over line: stage, sub-groups, buckets, reduction method."""
         o = self.optimizer
@@ -401,7 +408,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         return (
             f"flatgrad: ZeRO-{2 if o.partition_gradients else 1} gradient reduction taken over: {unsplit} param group(s) "
             f"split into {len(self.layouts)} sub-group(s) = {len(self.layouts)} bucket(s) on {len(self.reducers)} "
-            f"process group(s), per bucket one fused pack, one reduce_scatter ({', '.join(sorted(self.methods))}), "
+            f"process group(s), per bucket one fused pack, {self._collective_words()}, "
             f"one fused unpack into the {o.gradient_accumulation_dtype} partition"
             + (", delivered to the optimizer's host fp32 partition (optimizer offload)" if self.offload else "")
         )
