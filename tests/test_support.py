@@ -19,12 +19,6 @@ _ON = {
     "NVMe parameter offload": (
         "zero_optimization.offload_param.device", {"zero_optimization": {"offload_param": {"device": "nvme"}}}
     ),
-    "CPU optimizer offload": (
-        "zero_optimization.offload_optimizer.device", {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
-    ),
-    "CPU optimizer offload (the deprecated key)": (
-        "zero_optimization.cpu_offload", {"zero_optimization": {"cpu_offload": True}}
-    ),
     "ZenFlow": ("zero_optimization.zenflow", {"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}),
     "DeepCompile": ("compile.deepcompile", {"compile": {"deepcompile": True}}),
     "per-parameter alignment padding": (
@@ -78,8 +72,6 @@ def test_a_row_fires_under_its_stages_only_and_names_its_key(row, stage: int):
 @settings(max_examples=60, deadline=None)
 @given(stage=st.sampled_from([1, 2, 3]), features=st.sets(st.sampled_from(sorted(_ON))))
 def test_any_mix_names_every_refused_key(stage: int, features: set):
-    if {"NVMe optimizer offload", "CPU optimizer offload"} <= features:
-        features = features - {"CPU optimizer offload"}  # one device key: the last merged wins
     cfg = _config(stage, sorted(features))
     expected = {r.key for r in REFUSALS if r.feature in features and stage in r.stages}
     if not expected:
@@ -96,6 +88,11 @@ def test_plain_configs_and_offload_none_pass():
         cfg = _config(stage, [])
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "none"}
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        check_supported(cfg)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        check_supported(cfg)  # CPU optimizer offload is served at every stage
+        del cfg["zero_optimization"]["offload_optimizer"]
+        cfg["zero_optimization"]["cpu_offload"] = True
         check_supported(cfg)
 
 

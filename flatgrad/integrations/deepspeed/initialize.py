@@ -156,11 +156,12 @@ def route(*args: Any, **kwargs: Any) -> Route:
         return Route("zero2", arguments, ds_config, cfg)
     if stage == 3:
         try:
-            importlib.import_module(f"{__package__}.zero3")  # it needs DeepSpeed's stage-3 optimizer
+            zero3 = importlib.import_module(f"{__package__}.zero3")  # it needs DeepSpeed's stage-3 optimizer
         except ImportError as exc:
             raise UnsupportedConfigError(
                 f"flatgrad's ZeRO-3 backend is not available ({exc}) ('zero_optimization.stage' = 3)"
             ) from exc
+        zero3.check_offload(ds_config)
         if cfg.reduction != "reduce_scatter":
             raise UnsupportedConfigError(
                 f"'flatgrad.reduction' = {cfg.reduction!r} is not supported by flatgrad's ZeRO-3 backend yet "

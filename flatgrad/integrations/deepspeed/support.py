@@ -108,14 +108,6 @@ REFUSALS: tuple[Refusal, ...] = (
         _offload_to("zero_optimization.offload_param", ("nvme",)),
     ),
     Refusal(
-        "zero_optimization.offload_optimizer.device", (3,), "CPU optimizer offload",
-        "flatgrad does not take it over at this stage yet", _offload_to("zero_optimization.offload_optimizer", ("cpu",)),
-    ),
-    Refusal(
-        "zero_optimization.cpu_offload", (3,), "CPU optimizer offload (the deprecated key)",
-        "flatgrad does not take it over at this stage yet", _truthy("zero_optimization.cpu_offload"),
-    ),
-    Refusal(
         "zero_optimization.zenflow", (1, 2, 3), "ZenFlow",
         "it selects and transposes gradients in the bucket that flatgrad packs", _present("zero_optimization.zenflow"),
     ),

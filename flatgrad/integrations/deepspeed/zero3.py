@@ -68,12 +68,50 @@ norms into the same value, up to rounding), -1 when non-finite, as stock's
 on CPU), the unpack in fp32 in another order: the norms agree to about 1e-7
 relative, so runs whose gradients are clipped agree with stock's to 1e-6
 (tested), not bitwise; without clipping nothing changes. ZeRO-1/2 follow the
-same rule (see [Note: ZeRO-2 step statistics]).
+same rule (see [Note: ZeRO-2 step statistics]). Under optimizer offload the norm
+is stock's own, from per-parameter norms: see [Note: ZeRO-3 optimizer offload].
+
+[Note: ZeRO-3 optimizer offload]
+With ``offload_optimizer: {device: cpu}`` stock keeps its grad partitions
+(``grad_partitions_flat_buffer``, in the accumulation dtype) on the host,
+pinned when ``pin_memory`` is set, and per parameter per micro-step copies the
+reduced partition device-to-host (accumulating on the device, so host-to-device
+and back); at the accumulation boundary it records each parameter's norm
+(``norm_for_param_grads``) and copies each partition into the host fp32
+gradient of its sub-group (``fp32_partitioned_groups_flat[i].grad``).
+
+flatgrad, per bucket, keeps stock's buffers and state and batches the copies:
+1. pack, one reduce_scatter, as without offload;
+2. one transfer of this rank's reduced segment to the host: where the segment
+   already is in host memory (the CPU accelerator) the fused unpack writes the
+   host grad partitions directly; otherwise one asynchronous copy of the
+   segment, in the comm dtype, into a pinned staging buffer (two of them, of the
+   largest segment: one may fill while the other is unpacked), and the CPU
+   kernel unpacks it into the host grad partitions once the copy's event has
+   completed: polled at the next bucket, waited for when both buffers are
+   busy, and at the end of the backward (stock's epilogue already waits for the
+   reduce stream there). The backward keeps running while the copy flies;
+3. at the boundary micro-step, for the bucket's parameters with data here, the
+   norm stock records (``_constant_buffered_norm2`` on the same partition
+   values, so the same bits; on an accelerator stock takes it on the device,
+   flatgrad on the host: both sum in fp64 and round to fp32 before the
+   all_reduce) and one host copy per run of the bucket's partitions that is
+   contiguous in both the grad partitions and the fp32 gradient (one per
+   sub-group the bucket spans when the bucket is in sub-group order; the
+   padding between two parameters' partitions is zero in both buffers).
+
+The cast, the accumulation (copy on micro-step 0, add after) and the boundary
+cast into fp32 are stock's, so with torch's AdamW training is bitwise stock's,
+clipping included (the norm is stock's). The step, the host optimizer update,
+the copy back and the all_gather are stock's. The overflow check comes from
+the unpack stats as without offload. NVMe offload, partial offload
+(``offload_optimizer.ratio`` < 1) and SuperOffload are refused by key.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections import deque
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -81,10 +119,11 @@ from ... import comm
 from ...layout import Layout
 from ...reducer import Bucket, DividedReduceScatter, ReduceScatter
 from .collectives import deepspeed_collectives
-from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version
+from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version, offload_device
+from .support import config_value
 from .step_stats import StepStats
 
-__all__ = ["install", "Zero3Reducer"]
+__all__ = ["install", "check_offload", "Zero3Reducer"]
 
 _PREFIX = "_DeepSpeedZeroOptimizer_Stage3__"
 _ADD_GRAD = _PREFIX + "add_grad_to_ipg_bucket"
@@ -104,6 +143,15 @@ class _Composition(NamedTuple):
     lengths: tuple[int, ...]  # their piece lengths
     key: tuple  # (bucket dtype, every parameter's ds_id in bucket order): the same on every rank
     bucket_ds_ids: frozenset[int]  # every parameter of the bucket, for [Note: ZeRO-3 step statistics]
+    piece_params: tuple  # the parameters of ``ds_ids``, in segment order
+
+
+class _OffloadRuns(NamedTuple):
+    """Where one composition's partitions go at the boundary: see [Note: ZeRO-3 optimizer offload]."""
+
+    stamp: tuple  # the data pointers the runs were computed against
+    param_ids: tuple[int, ...]  # DeepSpeed's ``get_param_id`` of every piece, for ``norm_for_param_grads``
+    runs: tuple[tuple[int, int, int, int], ...]  # (sub-group, offset in its fp32 grad, offset in the flat buffer, n)
 
 
 class Zero3Reducer:
@@ -136,15 +184,32 @@ class Zero3Reducer:
         self._stock_has_overflow = optimizer.has_overflow
         self._stock_step = optimizer.step
         self._stock_zero_grad = optimizer.zero_grad
+        self._stock_epilogue = optimizer.independent_gradient_partition_epilogue
+        self.offload = bool(optimizer.offload_optimizer)
+        self._runs: dict[tuple, _OffloadRuns] = {}
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._staged: deque = deque()  # (event, slot, comp, micro_step, boundary), oldest first
+        self._next_slot = 0
+        # Counted per process (tests and benches read them): reduced segments moved to the host (one per
+        # bucket with data here per micro-step), and the boundary's host copies into the fp32 gradients.
+        self.host_transfers = 0
+        self.fp32_copies = 0
 
     def describe(self) -> str:
-        """The take-over line: stage, sub-groups, buckets, reduction method."""
+        """The take-over line: stage, sub-groups, buckets, reduction method, offload."""
         opt = self.optimizer
-        return (
+        line = (
             f"flatgrad: ZeRO-3 gradient reduction taken over: {len(opt.fp16_groups)} sub-group(s), DeepSpeed's IPG "
             f"buckets of {opt.reduce_bucket_size} elements, per bucket one fused pack, one reduce_scatter "
             f"({self._method}), one fused unpack into the {opt.gradient_accumulation_dtype} grad partitions"
         )
+        if self.offload:
+            pinned = "pinned" if opt.offload_optimizer_pin_memory else "pageable"
+            line += (
+                f"; CPU optimizer offload served: the partitions are in {pinned} host memory, one transfer of the "
+                "reduced segment per bucket, one host copy per run into the fp32 gradients at the boundary"
+            )
+        return line
 
     # -- the two seams ------------------------------------------------------------------------
 
@@ -185,6 +250,8 @@ class Zero3Reducer:
             events.popleft().synchronize()
 
         with acc.stream(opt.reduce_and_partition_stream):
+            if self._staged:
+                self._drain()  # the staged segments whose copies have landed: unpacked while the backward runs
             if opt.enable_sanity_checks:
                 from deepspeed.runtime.utils import assert_ints_same_as_other_ranks
 
@@ -205,6 +272,11 @@ class Zero3Reducer:
                 event = acc.Event()
                 event.record()
                 events.append(event)
+
+    def independent_gradient_partition_epilogue(self) -> None:
+        """Wraps stock's epilogue: after it (and its wait for the reduce stream), every staged bucket is unpacked."""
+        self._stock_epilogue()
+        self._drain(everything=True)
 
     # -- compositions and reduction ----------------------------------------------------------------------
 
@@ -250,6 +322,7 @@ class Zero3Reducer:
             lengths=tuple(p.length for p in pieces),
             key=(bucket_dtype, tuple(p.ds_id for p in params)),
             bucket_ds_ids=frozenset(p.ds_id for p in params),
+            piece_params=tuple(params[p.tensor_index] for p in pieces),
         )
 
     def _grad_partitions(self, comp: _Composition) -> list[torch.Tensor]:
@@ -291,15 +364,104 @@ class Zero3Reducer:
             self.stats.add(self.optimizer.micro_step_id, comp.key, None)  # nothing here, but the bucket was reduced
             return
         outs = self._grad_partitions(comp)
-        out_dtype = outs[0].dtype
-        if b.output.dtype != out_dtype and out_dtype != torch.float32:
-            b.output = b.output.to(out_dtype)  # stock adds after this cast; see [Note: ZeRO-3 reduce path]
         micro_step = self.optimizer.micro_step_id
+        if b.output.device == outs[0].device:
+            self._host_side(comp, b.output, micro_step, self.offload and self.optimizer.is_gradient_accumulation_boundary())
+            if self.offload:
+                self.host_transfers += 1  # the unpack writes the host partitions: the segment's one transfer
+        else:
+            self._stage(comp, b.output, micro_step, self.optimizer.is_gradient_accumulation_boundary())
+            b.unbind()
+
+    def _host_side(self, comp: _Composition, segment: torch.Tensor, micro_step: int, boundary: bool) -> None:
+        """Unpack ``segment`` into the grad partitions (copy on micro-step 0, add after); then the boundary's work."""
+        b = comp.bucket
+        outs = self._grad_partitions(comp)
+        out_dtype = outs[0].dtype
+        if segment.dtype != out_dtype and out_dtype != torch.float32:
+            segment = segment.to(out_dtype)  # stock adds after this cast; see [Note: ZeRO-3 reduce path]
+        b.output = segment
         b.shard, b.accumulate = outs, micro_step != 0
-        b.unpack(comp.rank, layout.world_size, collect_stats=True)
+        b.unpack(comp.rank, comp.layout.world_size, collect_stats=True)
         self.stats.add(micro_step, comp.key, b.stats)
         b.unbind()
         b.shard = b.stats = None
+        if boundary:
+            self._to_fp32_grads(comp, outs)
+
+    # -- optimizer offload: see [Note: ZeRO-3 optimizer offload] -----------------------------------------
+
+    def _offload_runs(self, comp: _Composition) -> _OffloadRuns:
+        """The boundary's copies for ``comp``: runs contiguous in both the flat grad buffer and an fp32 gradient."""
+        opt = self.optimizer
+        flat = opt.grad_partitions_flat_buffer
+        groups = opt.fp32_partitioned_groups_flat
+        stamp = (flat.data_ptr(), tuple(g.grad.data_ptr() if g.grad is not None else 0 for g in groups))
+        key = (comp.comm_dtype, comp.ds_ids)
+        cached = self._runs.get(key)
+        if cached is not None and cached.stamp == stamp:
+            return cached
+        partitions = getattr(opt, _GRAD_PARTITIONS)
+        param_ids, runs = [], []
+        for param, length in zip(comp.piece_params, comp.lengths):
+            param_id = opt.get_param_id(param)
+            param_ids.append(param_id)
+            group, dest, _ = opt.grad_position[param_id]
+            src = partitions[param.ds_id].storage_offset() - flat.storage_offset()
+            if runs:
+                g, d, s, n = runs[-1]
+                previous = comp.piece_params[len(param_ids) - 2]
+                gap = previous.partition_numel() - comp.lengths[len(param_ids) - 2]  # zero padding in both buffers
+                if g == group and dest == d + n + gap and src == s + n + gap:
+                    runs[-1] = (g, d, s, n + gap + length)
+                    continue
+            runs.append((group, dest, src, length))
+        cached = self._runs[key] = _OffloadRuns(stamp, tuple(param_ids), tuple(runs))
+        return cached
+
+    def _to_fp32_grads(self, comp: _Composition, outs: Sequence[torch.Tensor]) -> None:
+        """At the boundary: stock's per-parameter norms, then the partitions into the host fp32 gradients."""
+        opt = self.optimizer
+        plan = self._offload_runs(comp)
+        norms = opt.norm_for_param_grads
+        for param_id, out in zip(plan.param_ids, outs):
+            norms[param_id] = opt._constant_buffered_norm2(out)
+        flat = opt.grad_partitions_flat_buffer
+        dtype = opt.master_weights_and_grads_dtype
+        for group, dest, src, n in plan.runs:
+            target = opt.fp32_partitioned_groups_flat[group].grad.narrow(0, dest, n)
+            source = flat.narrow(0, src, n)
+            target.copy_(source if source.dtype == dtype else source.to(dtype), non_blocking=True)
+            self.fp32_copies += 1
+
+    def _stage(self, comp: _Composition, segment: torch.Tensor, micro_step: int, boundary: bool) -> None:
+        """One asynchronous copy of the reduced segment into a pinned staging buffer; unpacked once it landed."""
+        slot = self._next_slot
+        self._next_slot = 1 - slot
+        self._drain(slot=slot)  # the slot's previous segment must be unpacked before it is overwritten
+        nbytes = segment.numel() * segment.element_size()
+        buffer = self._staging[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._staging[slot] = self._accelerator.pin_memory(torch.empty(nbytes, dtype=torch.uint8))
+        staged = buffer.narrow(0, 0, nbytes).view(segment.dtype)
+        staged.copy_(segment, non_blocking=True)
+        self.host_transfers += 1
+        event = self._accelerator.Event()
+        event.record()
+        self._staged.append((event, slot, comp, staged, micro_step, boundary))
+
+    def _drain(self, *, slot: int | None = None, everything: bool = False) -> None:
+        """Unpack the staged segments whose copies have landed; wait for ``slot``'s, or for all of them."""
+        while self._staged:
+            event, occupant, comp, staged, micro_step, boundary = self._staged[0]
+            if everything or occupant == slot:
+                event.synchronize()
+            elif not event.query():
+                return
+            self._staged.popleft()
+            self._host_side(comp, staged, micro_step, boundary)
+            if occupant == slot and not everything:
+                return
 
     # -- the step's norm and overflow, from the unpack stats: see [Note: ZeRO-3 step statistics] --------------
 
@@ -338,8 +500,9 @@ class Zero3Reducer:
         return self._window.reduced(build, lambda total: dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group))
 
     def get_norm_groups(self) -> list[torch.Tensor]:
-        """Replaces ``_get_norm_groups``: the norm from the unpack stats (one group), -1 when not finite."""
-        if not self._stats_usable():
+        """Replaces ``_get_norm_groups``: the norm from the unpack stats (one group), -1 when not finite; under
+        optimizer offload stock's, from the per-parameter norms (see [Note: ZeRO-3 optimizer offload])."""
+        if self.offload or not self._stats_usable():
             return self._stock_get_norm_groups()
         total = self._reduced_stats()
         norm = total[0].sqrt()
@@ -405,10 +568,15 @@ _GRAD_WRITERS = ("set_fp32_grad_for_param", "set_local_grad_for_param", "update_
 
 # What the replacement seams call or read on the optimizer, besides the seams themselves.
 _METHODS = ("get_param_comm_dtype", "_get_param_partition_group", "_assert_same_partition_group",
-            "_gradient_averaging_world_size", "_get_norm_groups", "has_overflow", "step", "zero_grad") + _GRAD_WRITERS
+            "_gradient_averaging_world_size", "_get_norm_groups", "has_overflow", "step", "zero_grad",
+            "independent_gradient_partition_epilogue", "is_gradient_accumulation_boundary", "get_param_id",
+            "_constant_buffered_norm2") + _GRAD_WRITERS
 _STATE = ("ipg_buckets", "param_reduce_events", "max_param_reduce_events", "reduce_and_partition_stream",
           "micro_step_id", "grad_partitions_flat_buffer", "_offload_boundary_param_ids", "enable_sanity_checks",
-          "fp16_groups", "dp_process_group", "model_parallel_group")
+          "fp16_groups", "dp_process_group", "model_parallel_group", "offload_optimizer")
+# What the offload path reads besides, checked when it is on: see [Note: ZeRO-3 optimizer offload].
+_OFFLOAD_STATE = ("grad_position", "fp32_partitioned_groups_flat", "norm_for_param_grads",
+                  "master_weights_and_grads_dtype", "offload_optimizer_pin_memory", "swap_optimizer", "partial_offload")
 
 
 def _check_seams(opt: Any) -> None:
@@ -416,6 +584,8 @@ def _check_seams(opt: Any) -> None:
     cls = type(opt)
     missing = [name for name in (_ADD_GRAD, _REDUCE) + _METHODS if not callable(getattr(cls, name, None))]
     missing += [name for name in _STATE if not hasattr(opt, name)]
+    if getattr(opt, "offload_optimizer", False):
+        missing += [name for name in _OFFLOAD_STATE if not hasattr(opt, name)]
     if not isinstance(getattr(opt, _GRAD_PARTITIONS, None), dict):
         missing.append(_GRAD_PARTITIONS)
     if missing:
@@ -436,6 +606,28 @@ def _resize_ipg_buffers(opt: Any, cfg: FlatgradConfig) -> None:
         want = (opt.reduce_bucket_size, dtype or buffer.dtype)
         if (buffer.numel(), buffer.dtype) != want:
             bucket.buffer = torch.empty(want[0], dtype=want[1], device=buffer.device)
+
+
+def check_offload(ds_config: Mapping[str, Any]) -> None:
+    """Refuse, before DeepSpeed starts, the ZeRO-3 optimizer offload variants flatgrad does not serve, by key.
+
+    NVMe offload is refused by ``support.REFUSALS``; here: partial offload
+    (``offload_optimizer.ratio`` < 1) and SuperOffload.
+    """
+    section = config_value(ds_config, "zero_optimization.offload_optimizer")
+    if offload_device(section) != "cpu":
+        return
+    ratio = section.get("ratio", 1.0)
+    if ratio is not None and float(ratio) != 1.0:
+        raise UnsupportedConfigError(
+            f"flatgrad's ZeRO-3 backend does not support partial optimizer offload "
+            f"('zero_optimization.offload_optimizer.ratio' = {ratio!r}); use ratio 1"
+        )
+    if section.get("super_offload"):
+        raise UnsupportedConfigError(
+            "flatgrad's ZeRO-3 backend does not support SuperOffload "
+            f"('zero_optimization.offload_optimizer.super_offload' = {section.get('super_offload')!r})"
+        )
 
 
 def install(engine: Any, cfg: FlatgradConfig) -> "Zero3Reducer | None":
@@ -467,10 +659,16 @@ def install(engine: Any, cfg: FlatgradConfig) -> "Zero3Reducer | None":
         raise RuntimeError("flatgrad's ZeRO-3 backend is already installed on this optimizer")
     _check_seams(opt)
     if opt.offload_optimizer:
-        raise UnsupportedConfigError(
-            "flatgrad's ZeRO-3 backend does not support CPU/NVMe optimizer offload "
-            "(zero_optimization.offload_optimizer)"
-        )
+        if opt.swap_optimizer:
+            raise UnsupportedConfigError(
+                "flatgrad's ZeRO-3 backend does not support NVMe optimizer offload "
+                "('zero_optimization.offload_optimizer.device' = 'nvme'); offload to 'cpu' instead"
+            )
+        if opt.partial_offload != 1.0:
+            raise UnsupportedConfigError(
+                f"flatgrad's ZeRO-3 backend does not support partial optimizer offload "
+                f"('zero_optimization.offload_optimizer.ratio' = {opt.partial_offload}); use ratio 1"
+            )
     if not opt.reduce_scatter:
         raise UnsupportedConfigError("flatgrad's ZeRO-3 backend needs zero_optimization.reduce_scatter=true")
     if getattr(opt, "zenflow", False):
@@ -491,6 +689,7 @@ def install(engine: Any, cfg: FlatgradConfig) -> "Zero3Reducer | None":
     opt.has_overflow = reducer.has_overflow
     opt.step = reducer.step
     opt.zero_grad = reducer.zero_grad
+    opt.independent_gradient_partition_epilogue = reducer.independent_gradient_partition_epilogue
     for name in _GRAD_WRITERS:
         setattr(opt, name, reducer._edits_grads(getattr(opt, name)))
     setattr(opt, _ATTR, reducer)

@@ -1,0 +1,145 @@
+"""flatgrad's ZeRO-3 backend with CPU optimizer offload against stock DeepSpeed's offload (real DeepSpeed, CPU, gloo).
+
+Every rank function trains stock and flatgrad from the same seed in the same
+process. With torch's AdamW the comparison is bitwise, clipping included: the
+offload path keeps stock's cast, accumulation and per-parameter norms (see
+[Note: ZeRO-3 optimizer offload] in ``flatgrad/integrations/deepspeed/zero3.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from _ds import MLP, count_collectives, ds_config, launch, make_batches
+from test_deepspeed_zero3 import (
+    _ZERO3_EXTRA,
+    _assert_bitwise,
+    _by_kind,
+    _deserialized,
+    _flatgrad_ran,
+    _serialized,
+    _state,
+)
+
+D_IN, HIDDEN, D_OUT = 13, 37, 5
+MICRO_BATCH = 2
+STEPS = 4
+
+
+def _offload(pin: bool = True) -> dict:
+    return {"offload_optimizer": {"device": "cpu", "pin_memory": pin}}
+
+
+# Several buckets per backward, a parameter larger than a bucket, parameters that leave some ranks without data.
+BASE = {"bucket": 1000, "stage3_param_persistence_threshold": 0}
+# torch's AdamW under offload: DeepSpeed would otherwise force its DeepSpeedCPUAdam.
+TORCH_ADAM = {"zero_force_ds_cpu_optimizer": False}
+
+
+def _engine(rank: int, world_size: int, flat: bool, *, gas: int, clip: float = 0.0, cpu_adam: bool = False,
+            top: dict | None = None, **zero):
+    """A ZeRO-3 engine over the seeded MLP: stock ``deepspeed.initialize`` or ``flatgrad.deepspeed.initialize``."""
+    import deepspeed
+
+    from flatgrad import deepspeed as flatgrad_ds
+
+    torch.manual_seed(0)
+    model = MLP(D_IN, HIDDEN, D_OUT)
+    cfg = ds_config(3, gas=gas, micro_batch=MICRO_BATCH, world_size=world_size, clip=clip, **zero)
+    if cpu_adam:
+        cfg["optimizer"]["params"].pop("torch_adam")
+    else:
+        cfg.update(TORCH_ADAM)
+    cfg.update(top or {})
+    initialize = deepspeed.initialize
+    if flat:
+        cfg["flatgrad"] = {}
+        initialize = flatgrad_ds.initialize
+    return initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+
+def _fp32_grads(engine) -> list[torch.Tensor]:
+    return [g.grad.detach().clone() for g in engine.optimizer.fp32_partitioned_groups_flat]
+
+
+def _train(engine, batches) -> dict:
+    """Forward/backward/step per micro-batch: losses, the host fp32 gradients at every boundary, the counts."""
+    losses, grads, transfers, copies = [], [], [], []
+    reducer = getattr(engine.optimizer, "flatgrad_zero3", None)
+    for x, y in batches:
+        loss = engine(x, y)
+        before = (reducer.host_transfers, reducer.fp32_copies) if reducer is not None else (0, 0)
+        engine.backward(loss)
+        if reducer is not None:
+            transfers.append(reducer.host_transfers - before[0])
+            copies.append(reducer.fp32_copies - before[1])
+        if engine.is_gradient_accumulation_boundary():
+            grads.append(_fp32_grads(engine))
+        engine.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "fp32_grads": grads, "transfers": transfers, "fp32_copies": copies}
+
+
+def _trajectory(rank: int, world_size: int, flat: bool, gas: int, options: dict) -> dict:
+    engine = _engine(rank, world_size, flat, gas=gas, **options)
+    out = _train(engine, make_batches(rank, STEPS * gas, MICRO_BATCH, D_IN, D_OUT))
+    out.update(_state(engine, rank))
+    out["plans"] = _flatgrad_ran(engine)
+    out["optimizer"] = type(engine.optimizer.optimizer).__name__
+    if flat:
+        reducer = engine.optimizer.flatgrad_zero3
+        out["describe"] = reducer.describe()
+        # Buckets holding data on this rank: the most host transfers one backward may make.
+        out["buckets"] = sum(1 for c in reducer.compositions.values() if c.ds_ids)
+    engine.destroy()
+    return out
+
+
+def _stock_vs_flat(rank: int, world_size: int, gas: int, options: dict) -> bytes:
+    return _serialized({
+        "stock": _trajectory(rank, world_size, False, gas, options),
+        "flat": _trajectory(rank, world_size, True, gas, options),
+    })
+
+
+def _compare(results: list[dict], gas: int) -> None:
+    """flatgrad ran, moved at most one segment per bucket per micro-step, and matched stock bit for bit."""
+    for rank, r in enumerate(results):
+        stock, flat = dict(r["stock"]), dict(r["flat"])
+        assert stock.pop("plans") == 0 and flat.pop("plans") > 0, f"rank {rank}: flatgrad's path did not run"
+        assert "CPU optimizer offload served" in flat.pop("describe")
+        buckets = flat.pop("buckets")
+        transfers, copies = flat.pop("transfers"), flat.pop("fp32_copies")
+        assert all(0 < t <= buckets for t in transfers), (rank, transfers, buckets)
+        # The boundary's host copies: one per run of partitions, never more than one per parameter.
+        n_params = len(stock["params"])
+        for step, c in enumerate(copies):
+            at_boundary = (step + 1) % gas == 0
+            assert (0 < c <= n_params) if at_boundary else c == 0, (rank, step, copies)
+        for key in ("transfers", "fp32_copies"):
+            stock.pop(key)
+        _assert_bitwise(stock, flat, f"rank {rank}")
+    losses = results[0]["stock"]["losses"]
+    assert losses[0] != losses[-1], "the runs did not train"
+    assert any(g.count_nonzero() for g in results[0]["stock"]["fp32_grads"][-1]), "every gradient is zero"
+
+
+# --------------------------------------------------------------------------- equivalence with torch's AdamW
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "world_size,gas,clip,pin",
+    [(2, 1, 0.0, True), (2, 2, 0.05, False), (4, 1, 0.05, True), (4, 2, 0.0, True), (4, 2, 0.05, False)],
+)
+def test_offload_bitwise_equal_to_stock_offload(world_size: int, gas: int, clip: float, pin: bool) -> None:
+    """fp32, torch's AdamW on the host: losses, host fp32 gradients, final params and masters bitwise stock's."""
+    options = {**BASE, **_offload(pin), "clip": clip}
+    results = [_deserialized(r) for r in launch(_stock_vs_flat, world_size, gas, options, timeout=280)]
+    for r in results:
+        assert r["stock"]["optimizer"] == r["flat"]["optimizer"] == "AdamW"
+    _compare(results, gas)
