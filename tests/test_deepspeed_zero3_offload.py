@@ -143,3 +143,125 @@ def test_offload_bitwise_equal_to_stock_offload(world_size: int, gas: int, clip:
     for r in results:
         assert r["stock"]["optimizer"] == r["flat"]["optimizer"] == "AdamW"
     _compare(results, gas)
+
+
+# --------------------------------------------------------------------------- DeepSpeedCPUAdam, parameter offload
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("gas,clip", [(2, 0.05)])
+def test_offload_with_deepspeed_cpu_adam_bitwise(gas: int, clip: float) -> None:
+    """DeepSpeed's default under offload (``"type": "AdamW"``: DeepSpeedCPUAdam, JIT-built): the host fp32
+    gradients it steps on are bitwise stock's, and its kernel is elementwise over the same buffers, so the
+    training is bitwise stock's."""
+    options = {**BASE, **_offload(True), "clip": clip, "cpu_adam": True}
+    results = [_deserialized(r) for r in launch(_stock_vs_flat, 2, gas, options, timeout=580)]
+    for r in results:
+        assert r["stock"]["optimizer"] == r["flat"]["optimizer"] == "DeepSpeedCPUAdam"
+    _compare(results, gas)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size,pin", [(2, False), (4, True)])
+def test_offload_param_with_optimizer_offload_bitwise(world_size: int, pin: bool) -> None:
+    """The HF docs' ZeRO-3 shape: parameters and optimizer both offloaded to the CPU; bitwise stock's."""
+    options = {**BASE, **_offload(pin), "offload_param": {"device": "cpu", "pin_memory": pin}, "clip": 0.05}
+    results = [_deserialized(r) for r in launch(_stock_vs_flat, world_size, 2, options, timeout=280)]
+    _compare(results, 2)
+
+
+# --------------------------------------------------------------------------- counted: collectives and host writes
+
+
+class _HostWrites:
+    """Counts ``Tensor.copy_`` / ``Tensor.add_`` into the given tensors' storages, inside autograd hooks too
+    (a torch function mode is not active there); the real methods run."""
+
+    def __init__(self, tensors) -> None:
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self.count = 0
+        self._saved: dict = {}
+
+    def __enter__(self) -> "_HostWrites":
+        for name in ("copy_", "add_"):
+            method = self._saved[name] = getattr(torch.Tensor, name)
+
+            def counted(t, *args, _method=method, **kwargs):
+                if t.untyped_storage().data_ptr() in self.storages:
+                    self.count += 1
+                return _method(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _counts(rank: int, world_size: int, gas: int, options: dict) -> dict:
+    """Per backward, for stock and flatgrad: the collectives, the torch writes into the host grad partitions and
+    fp32 gradients, and flatgrad's unpacks (each one the transfer of one bucket's segment into host memory)."""
+    from flatgrad.reducer import Bucket
+
+    unpacks = []
+    stock_unpack = Bucket.unpack
+
+    def counted(self, *args, **kwargs):
+        unpacks.append(self.shard[0].device.type)
+        return stock_unpack(self, *args, **kwargs)
+
+    Bucket.unpack = counted
+    out = {}
+    try:
+        for flat in (False, True):
+            engine = _engine(rank, world_size, flat, gas=gas, **options)
+            opt = engine.optimizer
+            host = [opt.grad_partitions_flat_buffer] + [g.grad for g in opt.fp32_partitioned_groups_flat]
+            steps = []
+            for x, y in make_batches(rank, STEPS * gas, MICRO_BATCH, D_IN, D_OUT):
+                loss = engine(x, y)
+                del unpacks[:]
+                with _HostWrites(host) as writes, count_collectives(_ZERO3_EXTRA) as counter:
+                    engine.backward(loss)
+                steps.append({
+                    "collectives": _by_kind(counter),
+                    "writes": writes.count,
+                    "unpacks": list(unpacks),
+                    "boundary": engine.is_gradient_accumulation_boundary(),
+                })  # fmt: skip
+                engine.step()
+            out[flat] = {"steps": steps, "params": sum(1 for p in engine.module.parameters() if _has_data(p, rank))}
+            engine.destroy()
+    finally:
+        Bucket.unpack = stock_unpack
+    return out
+
+
+def _has_data(param, rank: int) -> bool:
+    return param.partition_numel() * rank < param.ds_numel
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_reduce_scatter_and_one_host_transfer_per_bucket(world_size: int) -> None:
+    """Per backward: stock's reduce_scatters (one per bucket); one write of each bucket's segment into host memory
+    where stock writes every parameter's partition (and adds to it); at the boundary fewer host copies into the
+    fp32 gradients than stock's one per parameter."""
+    gas = 2
+    for rank, r in enumerate(launch(_counts, world_size, gas, {**BASE, **_offload(True)}, timeout=280)):
+        stock, flat = r[False], r[True]
+        n_params = stock["params"]
+        for k, (s, f) in enumerate(zip(stock["steps"], flat["steps"])):
+            rs = s["collectives"]["reduce_scatter_tensor"]
+            assert f["collectives"]["reduce_scatter_tensor"] == rs and len(rs) == 3, (rank, k, rs)
+            assert f["collectives"] == s["collectives"], (rank, k)
+            assert s["unpacks"] == [] and f["unpacks"] == ["cpu"] * len(f["unpacks"]), (rank, k)
+            assert 0 < len(f["unpacks"]) <= len(rs), (rank, k, f["unpacks"])
+            # Stock: per parameter a copy (micro-step 0) or an add; at the boundary one more copy, into fp32.
+            assert s["writes"] == n_params * (1 + s["boundary"]), (rank, k, s["writes"])
+            # flatgrad's torch writes are only the boundary's copies into the fp32 gradients, one per run.
+            assert (0 < f["writes"] < n_params) if f["boundary"] else f["writes"] == 0, (rank, k, f["writes"])
