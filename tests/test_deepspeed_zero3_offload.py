@@ -265,3 +265,123 @@ def test_one_reduce_scatter_and_one_host_transfer_per_bucket(world_size: int) ->
             assert s["writes"] == n_params * (1 + s["boundary"]), (rank, k, s["writes"])
             # flatgrad's torch writes are only the boundary's copies into the fp32 gradients, one per run.
             assert (0 < f["writes"] < n_params) if f["boundary"] else f["writes"] == 0, (rank, k, f["writes"])
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoints(rank: int, world_size: int, root: str) -> bytes:
+    """Under flatgrad offload: save after 2 steps, continue; a fresh flatgrad engine (and a stock one) loads the
+    checkpoint and continues the same; then the final checkpoint through DeepSpeed's zero_to_fp32."""
+    import deepspeed
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    gas = 2
+    options = {**BASE, **_offload(True), "clip": 0.05}
+    batches = make_batches(rank, STEPS * gas, MICRO_BATCH, D_IN, D_OUT)
+    head, tail = batches[: 2 * gas], batches[2 * gas :]
+
+    def run(engine, batches) -> dict:
+        out = _train(engine, batches)
+        out.update(_state(engine, rank))
+        return {k: out[k] for k in ("losses", "fp32_grads", "params", "master")}
+
+    engine = _engine(rank, world_size, True, gas=gas, **options)
+    _train(engine, head)
+    engine.save_checkpoint(root, tag="step2")
+    out = {"continued": run(engine, tail)}
+    engine.destroy()
+    for flat in (True, False):
+        loader = _engine(rank, world_size, flat, gas=gas, **options)
+        loader.load_checkpoint(root, tag="step2")
+        out["flat" if flat else "stock"] = run(loader, tail)
+        if flat:
+            out["plans"] = _flatgrad_ran(loader)
+            loader.save_checkpoint(root, tag="final")
+            with deepspeed.zero.GatheredParameters(list(loader.module.parameters())):
+                live = {n: p.detach().clone() for n, p in loader.module.named_parameters()}
+            torch.distributed.barrier()
+            converted = get_fp32_state_dict_from_zero_checkpoint(root, tag="final") if rank == 0 else None
+            out["zero_to_fp32"] = {"live": live, "converted": converted}
+        loader.destroy()
+    return _serialized(out)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_offload_checkpoints_resume_and_convert(tmp_path) -> None:
+    """A checkpoint saved under flatgrad offload resumes under flatgrad offload (and stock's) bitwise as the run
+    that kept going; zero_to_fp32 of flatgrad's final checkpoint is the live parameters."""
+    results = [_deserialized(r) for r in launch(_checkpoints, 2, str(tmp_path), timeout=280)]
+    for rank, r in enumerate(results):
+        assert r["plans"] > 0
+        _assert_bitwise(r["continued"], r["flat"], f"rank {rank} flat resume")
+        _assert_bitwise(r["continued"], r["stock"], f"rank {rank} stock resume")
+    z = results[0]["zero_to_fp32"]
+    assert z["converted"].keys() == z["live"].keys()
+    for name, live in z["live"].items():
+        _assert_bitwise(z["converted"][name].reshape(live.shape), live, f"zero_to_fp32 {name}")
+
+
+# --------------------------------------------------------------------------- the patch: engaged, or passed through
+
+
+def _patched(rank: int, world_size: int) -> bytes:
+    """Under ``patch()``: CPU optimizer offload engages flatgrad; partial offload passes to stock, with one warning."""
+    import logging
+
+    import deepspeed
+
+    from flatgrad import deepspeed as flatgrad_ds
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("flatgrad.deepspeed")
+    logger.addHandler(handler)
+    out = {}
+    cases = {
+        "served": {**BASE, **_offload(False)},
+        "partial": {**BASE, "offload_optimizer": {"device": "cpu", "ratio": 0.5}, "cpu_adam": True},
+    }
+    try:
+        for name, options in cases.items():
+            del records[:]
+            gas = 2
+            torch.manual_seed(0)
+            model = MLP(D_IN, HIDDEN, D_OUT)
+            batches = make_batches(rank, STEPS * gas, MICRO_BATCH, D_IN, D_OUT)
+            stock = _engine(rank, world_size, False, gas=gas, **options)
+            expected = _train(stock, batches)["losses"] + [_state(stock, rank)]
+            stock.destroy()
+            cfg = ds_config(3, gas=gas, micro_batch=MICRO_BATCH, world_size=world_size,
+                            **{k: v for k, v in options.items() if k != "cpu_adam"})
+            if options.get("cpu_adam"):
+                cfg["optimizer"]["params"].pop("torch_adam")
+            else:
+                cfg.update(TORCH_ADAM)
+            cfg["flatgrad"] = {}
+            flatgrad_ds.patch()
+            try:
+                engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+            finally:
+                flatgrad_ds.unpatch()
+            got = _train(engine, batches)["losses"] + [_state(engine, rank)]
+            out[name] = {"expected": expected, "got": got, "plans": _flatgrad_ran(engine), "records": list(records)}
+            engine.destroy()
+    finally:
+        logger.removeHandler(handler)
+    return _serialized(out)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_patch_engages_offload_and_passes_partial_offload_through() -> None:
+    for rank, r in enumerate(_deserialized(x) for x in launch(_patched, 2, timeout=280)):
+        served, partial = r["served"], r["partial"]
+        assert served["plans"] > 0 and not [m for m in served["records"] if "stock DeepSpeed" in m], served["records"]
+        _assert_bitwise(served["expected"], served["got"], f"rank {rank} served")
+        assert partial["plans"] == 0
+        warned = [m for m in partial["records"] if "stock DeepSpeed" in m]
+        assert len(warned) == 1 and "zero_optimization.offload_optimizer.ratio" in warned[0], partial["records"]
+        _assert_bitwise(partial["expected"], partial["got"], f"rank {rank} pass-through")
