@@ -40,7 +40,7 @@ TORCH_ADAM = {"zero_force_ds_cpu_optimizer": False}
 
 
 def _engine(rank: int, world_size: int, flat: bool, *, gas: int, clip: float = 0.0, cpu_adam: bool = False,
-            top: dict | None = None, **zero):
+            top: dict | None = None, stage: bool = False, **zero):
     """A ZeRO-3 engine over the seeded MLP: stock ``deepspeed.initialize`` or ``flatgrad.deepspeed.initialize``."""
     import deepspeed
 
@@ -58,7 +58,10 @@ def _engine(rank: int, world_size: int, flat: bool, *, gas: int, clip: float = 0
     if flat:
         cfg["flatgrad"] = {}
         initialize = flatgrad_ds.initialize
-    return initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    if flat and stage:
+        engine.optimizer.flatgrad_zero3.always_stage = True  # the accelerator's staged transfer, on the host
+    return engine
 
 
 def _fp32_grads(engine) -> list[torch.Tensor]:
@@ -94,6 +97,7 @@ def _trajectory(rank: int, world_size: int, flat: bool, gas: int, options: dict)
         out["describe"] = reducer.describe()
         # Buckets holding data on this rank: the most host transfers one backward may make.
         out["buckets"] = sum(1 for c in reducer.compositions.values() if c.ds_ids)
+        out["staged"] = any(buffer is not None for buffer in reducer._staging)
     engine.destroy()
     return out
 
@@ -105,13 +109,14 @@ def _stock_vs_flat(rank: int, world_size: int, gas: int, options: dict) -> bytes
     })
 
 
-def _compare(results: list[dict], gas: int) -> None:
+def _compare(results: list[dict], gas: int, stage: bool = False) -> None:
     """flatgrad ran, moved at most one segment per bucket per micro-step, and matched stock bit for bit."""
     for rank, r in enumerate(results):
         stock, flat = dict(r["stock"]), dict(r["flat"])
         assert stock.pop("plans") == 0 and flat.pop("plans") > 0, f"rank {rank}: flatgrad's path did not run"
         assert "CPU optimizer offload served" in flat.pop("describe")
         buckets = flat.pop("buckets")
+        assert flat.pop("staged") == stage, f"rank {rank}: the staging buffers were used: {not stage}"
         transfers, copies = flat.pop("transfers"), flat.pop("fp32_copies")
         assert all(0 < t <= buckets for t in transfers), (rank, transfers, buckets)
         # The boundary's host copies: one per run of partitions, never more than one per parameter.
@@ -133,16 +138,19 @@ def _compare(results: list[dict], gas: int) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "world_size,gas,clip,pin",
-    [(2, 1, 0.0, True), (2, 2, 0.05, False), (4, 1, 0.05, True), (4, 2, 0.0, True), (4, 2, 0.05, False)],
+    "world_size,gas,clip,pin,stage",
+    [(2, 1, 0.0, True, False), (2, 2, 0.05, False, False), (4, 1, 0.05, True, False), (4, 2, 0.0, True, False),
+     (4, 2, 0.05, False, False), (2, 2, 0.05, True, True), (4, 2, 0.0, False, True)],
+    ids=lambda v: str(v),
 )
-def test_offload_bitwise_equal_to_stock_offload(world_size: int, gas: int, clip: float, pin: bool) -> None:
-    """fp32, torch's AdamW on the host: losses, host fp32 gradients, final params and masters bitwise stock's."""
-    options = {**BASE, **_offload(pin), "clip": clip}
+def test_offload_bitwise_equal_to_stock_offload(world_size: int, gas: int, clip: float, pin: bool, stage: bool) -> None:
+    """fp32, torch's AdamW on the host: losses, host fp32 gradients, final params and masters bitwise stock's.
+    ``stage``: the segment goes through the pinned staging buffers and is unpacked later, as on an accelerator."""
+    options = {**BASE, **_offload(pin), "clip": clip, "stage": stage}
     results = [_deserialized(r) for r in launch(_stock_vs_flat, world_size, gas, options, timeout=280)]
     for r in results:
         assert r["stock"]["optimizer"] == r["flat"]["optimizer"] == "AdamW"
-    _compare(results, gas)
+    _compare(results, gas, stage)
 
 
 # --------------------------------------------------------------------------- DeepSpeedCPUAdam, parameter offload

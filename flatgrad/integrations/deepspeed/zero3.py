@@ -194,6 +194,9 @@ class Zero3Reducer:
         # bucket with data here per micro-step), and the boundary's host copies into the fp32 gradients.
         self.host_transfers = 0
         self.fp32_copies = 0
+        # Stage the segment through the pinned buffers even where it already is in host memory (the CPU
+        # accelerator), so that tests and benches run and measure the accelerator's path on a host.
+        self.always_stage = False
 
     def describe(self) -> str:
         """The take-over line: stage, sub-groups, buckets, reduction method, offload."""
@@ -365,7 +368,7 @@ class Zero3Reducer:
             return
         outs = self._grad_partitions(comp)
         micro_step = self.optimizer.micro_step_id
-        if b.output.device == outs[0].device:
+        if b.output.device == outs[0].device and not (self.offload and self.always_stage):
             self._host_side(comp, b.output, micro_step, self.offload and self.optimizer.is_gradient_accumulation_boundary())
             if self.offload:
                 self.host_transfers += 1  # the unpack writes the host partitions: the segment's one transfer
@@ -446,15 +449,19 @@ class Zero3Reducer:
         staged = buffer.narrow(0, 0, nbytes).view(segment.dtype)
         staged.copy_(segment, non_blocking=True)
         self.host_transfers += 1
-        event = self._accelerator.Event()
-        event.record()
+        event_type = self._accelerator.Event  # None on the CPU accelerator, where the copy has landed
+        event = event_type() if event_type is not None else None
+        if event is not None:
+            event.record()
         self._staged.append((event, slot, comp, staged, micro_step, boundary))
 
     def _drain(self, *, slot: int | None = None, everything: bool = False) -> None:
         """Unpack the staged segments whose copies have landed; wait for ``slot``'s, or for all of them."""
         while self._staged:
             event, occupant, comp, staged, micro_step, boundary = self._staged[0]
-            if everything or occupant == slot:
+            if event is None:
+                pass
+            elif everything or occupant == slot:
                 event.synchronize()
             elif not event.query():
                 return
