@@ -393,3 +393,34 @@ def test_patch_engages_offload_and_passes_partial_offload_through() -> None:
         warned = [m for m in partial["records"] if "stock DeepSpeed" in m]
         assert len(warned) == 1 and "zero_optimization.offload_optimizer.ratio" in warned[0], partial["records"]
         _assert_bitwise(partial["expected"], partial["got"], f"rank {rank} pass-through")
+
+
+# --------------------------------------------------------------------------- a staging buffer that cannot be allocated
+
+
+def _staging_fails_on_one_rank(rank: int, world_size: int) -> str:
+    """Rank 1's pinned staging allocation fails (as when pinned host memory runs out): every rank must raise."""
+    from flatgrad.integrations.deepspeed import zero3
+
+    # The CPU accelerator keeps the grads in host memory and stages nothing; these engines stage, as on a GPU.
+    zero3.Zero3Reducer.needs_staging = lambda self: True
+    if rank == 1:
+        def refuse(self) -> None:
+            raise RuntimeError("out of memory (pinned host allocation)")
+
+        zero3.Zero3Reducer.allocate_staging = refuse
+    try:
+        _engine(rank, world_size, True, gas=1, **BASE, **_offload(True))
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_staging_that_cannot_be_allocated_raises_on_every_rank() -> None:
+    messages = launch(_staging_fails_on_one_rank, 2, timeout=100)
+    for rank, message in enumerate(messages):
+        assert message.startswith("UnsupportedConfigError") and "staging buffers" in message, (rank, message)
+        assert "zero_optimization.offload_optimizer" in message, message
+    assert "this rank (1)" in messages[1] and "out of memory" in messages[1] and "another rank" in messages[0]

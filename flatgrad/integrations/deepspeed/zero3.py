@@ -437,6 +437,28 @@ class Zero3Reducer:
             target.copy_(source if source.dtype == dtype else source.to(dtype), non_blocking=True)
             self.fp32_copies += 1
 
+    def needs_staging(self) -> bool:
+        """Whether the reduced segments reach the host partitions through the staging buffers: the
+        partitions are not in the compute device's memory, or ``always_stage`` asks for it."""
+        device = torch.device(self._accelerator.current_device_name())
+        return self.always_stage or self.optimizer.grad_partitions_flat_buffer.device != device
+
+    def staging_numel(self) -> int:
+        """Elements of the largest reduced segment any bucket can have: a bucket holds at most
+        ``max(reduce_bucket_size, largest parameter)`` elements, each parameter padded by less than W."""
+        opt = self.optimizer
+        params = [p for g in opt.fp16_groups for p in g]
+        world_size = self._dist.get_world_size(group=opt.dp_process_group)
+        largest = max((p.ds_numel for p in params), default=0)
+        return -(-max(opt.reduce_bucket_size, largest) // world_size) + len(params)
+
+    def allocate_staging(self) -> None:
+        """The two pinned staging buffers of the staged transfer, in the widest comm dtype the buckets use."""
+        opt = self.optimizer
+        itemsize = max(torch.empty(0, dtype=self._comm_dtype or d).element_size() for d in opt.ipg_buckets)
+        nbytes = self.staging_numel() * itemsize
+        self._staging = [self._accelerator.pin_memory(torch.empty(nbytes, dtype=torch.uint8)) for _ in range(2)]
+
     def _stage(self, comp: _Composition, segment: torch.Tensor, micro_step: int, boundary: bool) -> None:
         """One asynchronous copy of the reduced segment into a pinned staging buffer; unpacked once it landed."""
         slot = self._next_slot
@@ -699,5 +721,32 @@ def install(engine: Any, cfg: FlatgradConfig) -> "Zero3Reducer | None":
     opt.independent_gradient_partition_epilogue = reducer.independent_gradient_partition_epilogue
     for name in _GRAD_WRITERS:
         setattr(opt, name, reducer._edits_grads(getattr(opt, name)))
+    if reducer.offload:
+        _agree_on_staging(reducer, engine)
     setattr(opt, _ATTR, reducer)
     return reducer
+
+
+def _agree_on_staging(reducer: Zero3Reducer, engine: Any) -> None:
+    """Allocate the staging buffers where the grads are not in host memory; every rank learns of any rank's
+    failure (one all_reduce at install), so all raise instead of the others hanging in the first reduce_scatter."""
+    from deepspeed import comm as dist
+
+    opt = reducer.optimizer
+    error = ""
+    if reducer.needs_staging():
+        try:
+            reducer.allocate_staging()
+        except (RuntimeError, MemoryError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    failed = torch.tensor([1.0 if error else 0.0], device=reducer._accelerator.current_device_name())
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=opt.dp_process_group)
+    if failed.item():
+        rank = dist.get_rank(group=opt.dp_process_group)
+        raise UnsupportedConfigError(
+            f"flatgrad's ZeRO-3 optimizer offload could not allocate its pinned host staging buffers (2 x "
+            f"{reducer.staging_numel()} elements of the comm dtype) on "
+            + (f"this rank ({rank}): {error}" if error else "another rank")
+            + " ('zero_optimization.offload_optimizer'); lower 'zero_optimization.reduce_bucket_size' or free host "
+            "memory"
+        )
