@@ -72,8 +72,9 @@ def _train(engine, batches) -> dict:
     """Forward/backward/step per micro-batch: losses, the host fp32 gradients at every boundary, the counts."""
     losses, grads, transfers, copies = [], [], [], []
     reducer = getattr(engine.optimizer, "flatgrad_zero3", None)
+    dtype = next(engine.module.parameters()).dtype
     for x, y in batches:
-        loss = engine(x, y)
+        loss = engine(x.to(dtype), y.to(dtype))
         before = (reducer.host_transfers, reducer.fp32_copies) if reducer is not None else (0, 0)
         engine.backward(loss)
         if reducer is not None:
@@ -82,7 +83,7 @@ def _train(engine, batches) -> dict:
         if engine.is_gradient_accumulation_boundary():
             grads.append(_fp32_grads(engine))
         engine.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(loss.detach().float()))
     return {"losses": losses, "fp32_grads": grads, "transfers": transfers, "fp32_copies": copies}
 
 
@@ -92,6 +93,7 @@ def _trajectory(rank: int, world_size: int, flat: bool, gas: int, options: dict)
     out.update(_state(engine, rank))
     out["plans"] = _flatgrad_ran(engine)
     out["optimizer"] = type(engine.optimizer.optimizer).__name__
+    out["accum"] = str(engine.optimizer.grad_partitions_flat_buffer.dtype)
     if flat:
         reducer = engine.optimizer.flatgrad_zero3
         out["describe"] = reducer.describe()
@@ -151,6 +153,19 @@ def test_offload_bitwise_equal_to_stock_offload(world_size: int, gas: int, clip:
     for r in results:
         assert r["stock"]["optimizer"] == r["flat"]["optimizer"] == "AdamW"
     _compare(results, gas, stage)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("accum", ["fp32", "bf16"])
+def test_offload_bf16_bitwise_equal_to_stock_offload(accum: str) -> None:
+    """bf16 training, fp32 or bf16 host grad partitions (cast to the fp32 gradient at the boundary), clipped."""
+    options = {**BASE, **_offload(True), "clip": 0.05, "dtype": "bf16",
+               "top": {"data_types": {"grad_accum_dtype": accum}}}
+    results = [_deserialized(r) for r in launch(_stock_vs_flat, 2, 2, options, timeout=280)]
+    for r in results:
+        assert r["flat"]["accum"] == str({"fp32": torch.float32, "bf16": torch.bfloat16}[accum])
+    _compare(results, 2)
 
 
 # --------------------------------------------------------------------------- DeepSpeedCPUAdam, parameter offload
