@@ -406,19 +406,19 @@ class Zero3Reducer:
             return cached
         partitions = getattr(opt, _GRAD_PARTITIONS)
         param_ids, runs = [], []
+        gap = 0  # the previous piece's padding: zero in both buffers, so a run may span it
         for param, length in zip(comp.piece_params, comp.lengths):
             param_id = opt.get_param_id(param)
             param_ids.append(param_id)
             group, dest, _ = opt.grad_position[param_id]
             src = partitions[param.ds_id].storage_offset() - flat.storage_offset()
-            if runs:
+            if runs and runs[-1][0] == group and dest == runs[-1][1] + runs[-1][3] + gap \
+                    and src == runs[-1][2] + runs[-1][3] + gap:
                 g, d, s, n = runs[-1]
-                previous = comp.piece_params[len(param_ids) - 2]
-                gap = previous.partition_numel() - comp.lengths[len(param_ids) - 2]  # zero padding in both buffers
-                if g == group and dest == d + n + gap and src == s + n + gap:
-                    runs[-1] = (g, d, s, n + gap + length)
-                    continue
-            runs.append((group, dest, src, length))
+                runs[-1] = (g, d, s, n + gap + length)
+            else:
+                runs.append((group, dest, src, length))
+            gap = param.partition_numel() - length
         cached = self._runs[key] = _OffloadRuns(stamp, tuple(param_ids), tuple(runs))
         return cached
 
@@ -481,12 +481,11 @@ class Zero3Reducer:
         """Unpack the staged segments whose copies have landed; wait for ``slot``'s, or for all of them."""
         while self._staged:
             event, occupant, comp, staged, micro_step, boundary = self._staged[0]
-            if event is None:
-                pass
-            elif everything or occupant == slot:
-                event.synchronize()
-            elif not event.query():
-                return
+            if event is not None:  # None: the copy was synchronous
+                if everything or occupant == slot:
+                    event.synchronize()
+                elif not event.query():
+                    return
             self._staged.popleft()
             self._host_side(comp, staged, micro_step, boundary)
             if occupant == slot and not everything:
