@@ -198,68 +198,30 @@ def test_offload_param_with_optimizer_offload_bitwise(world_size: int, pin: bool
 # --------------------------------------------------------------------------- counted: collectives and host writes
 
 
-class _HostWrites:
-    """Counts ``Tensor.copy_`` / ``Tensor.add_`` into the given tensors' storages, inside autograd hooks too
-    (a torch function mode is not active there); the real methods run."""
-
-    def __init__(self, tensors) -> None:
-        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
-        self.count = 0
-        self._saved: dict = {}
-
-    def __enter__(self) -> "_HostWrites":
-        for name in ("copy_", "add_"):
-            method = self._saved[name] = getattr(torch.Tensor, name)
-
-            def counted(t, *args, _method=method, **kwargs):
-                if t.untyped_storage().data_ptr() in self.storages:
-                    self.count += 1
-                return _method(t, *args, **kwargs)
-
-            setattr(torch.Tensor, name, counted)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, method in self._saved.items():
-            setattr(torch.Tensor, name, method)
-
-
 def _counts(rank: int, world_size: int, gas: int, options: dict) -> dict:
-    """Per backward, for stock and flatgrad: the collectives, the torch writes into the host grad partitions and
-    fp32 gradients, and flatgrad's unpacks (each one the transfer of one bucket's segment into host memory)."""
-    from flatgrad.reducer import Bucket
+    """Per backward, for stock and flatgrad: the collectives, and the writes into the host grad partitions and
+    fp32 gradients (torch's copy_/add_, and flatgrad's unpacks: each the transfer of one bucket's segment)."""
+    from flatgrad.testing.host_writes import HostWrites
 
-    unpacks = []
-    stock_unpack = Bucket.unpack
-
-    def counted(self, *args, **kwargs):
-        unpacks.append(self.shard[0].device.type)
-        return stock_unpack(self, *args, **kwargs)
-
-    Bucket.unpack = counted
     out = {}
-    try:
-        for flat in (False, True):
-            engine = _engine(rank, world_size, flat, gas=gas, **options)
-            opt = engine.optimizer
-            host = [opt.grad_partitions_flat_buffer] + [g.grad for g in opt.fp32_partitioned_groups_flat]
-            steps = []
-            for x, y in make_batches(rank, STEPS * gas, MICRO_BATCH, D_IN, D_OUT):
-                loss = engine(x, y)
-                del unpacks[:]
-                with _HostWrites(host) as writes, count_collectives(_ZERO3_EXTRA) as counter:
-                    engine.backward(loss)
-                steps.append({
-                    "collectives": _by_kind(counter),
-                    "writes": writes.count,
-                    "unpacks": list(unpacks),
-                    "boundary": engine.is_gradient_accumulation_boundary(),
-                })  # fmt: skip
-                engine.step()
-            out[flat] = {"steps": steps, "params": sum(1 for p in engine.module.parameters() if _has_data(p, rank))}
-            engine.destroy()
-    finally:
-        Bucket.unpack = stock_unpack
+    for flat in (False, True):
+        engine = _engine(rank, world_size, flat, gas=gas, **options)
+        opt = engine.optimizer
+        host = [opt.grad_partitions_flat_buffer] + [g.grad for g in opt.fp32_partitioned_groups_flat]
+        steps = []
+        for x, y in make_batches(rank, STEPS * gas, MICRO_BATCH, D_IN, D_OUT):
+            loss = engine(x, y)
+            with HostWrites(host) as writes, count_collectives(_ZERO3_EXTRA) as counter:
+                engine.backward(loss)
+            steps.append({
+                "collectives": _by_kind(counter),
+                "writes": writes.torch_writes,
+                "unpacks": writes.unpacks,
+                "boundary": engine.is_gradient_accumulation_boundary(),
+            })  # fmt: skip
+            engine.step()
+        out[flat] = {"steps": steps, "params": sum(1 for p in engine.module.parameters() if _has_data(p, rank))}
+        engine.destroy()
     return out
 
 
@@ -282,8 +244,7 @@ def test_one_reduce_scatter_and_one_host_transfer_per_bucket(world_size: int) ->
             rs = s["collectives"]["reduce_scatter_tensor"]
             assert f["collectives"]["reduce_scatter_tensor"] == rs and len(rs) == 3, (rank, k, rs)
             assert f["collectives"] == s["collectives"], (rank, k)
-            assert s["unpacks"] == [] and f["unpacks"] == ["cpu"] * len(f["unpacks"]), (rank, k)
-            assert 0 < len(f["unpacks"]) <= len(rs), (rank, k, f["unpacks"])
+            assert s["unpacks"] == 0 and 0 < f["unpacks"] <= len(rs), (rank, k, f["unpacks"])
             # Stock: per parameter a copy (micro-step 0) or an add; at the boundary one more copy, into fp32.
             assert s["writes"] == n_params * (1 + s["boundary"]), (rank, k, s["writes"])
             # flatgrad's torch writes are only the boundary's copies into the fp32 gradients, one per run.
