@@ -22,11 +22,22 @@ Measured per optimizer step (``--gas`` micro-steps), on every rank:
   outputs when accumulating) and writes its outputs. ``ops/bucket`` counts the
   operations that touch memory (kernel launches on a GPU).
 
+* backward: wall time of ``engine.backward`` (the backward with the reduce
+  path, and under offload the copies to the host), slowest rank, median.
+
+``--offload`` trains both with CPU optimizer offload (torch's AdamW on the
+host, pinned host buffers); ``host writes`` then counts, per step, the writes
+into the host grad partitions and fp32 gradients (torch's ``copy_``/``add_``
+and flatgrad's unpacks, ``flatgrad.testing.host_writes``). ``--stage`` makes
+flatgrad stage every segment through its pinned buffers and unpack it later,
+as on a GPU, instead of unpacking into host memory directly.
+
 The last line checks that both engines ended with bitwise equal fp32 master
 weights on every rank. Example::
 
     python bench/zero3_reduce.py                  # 4 ranks, ~50M fp32 params
     python bench/zero3_reduce.py --dtype bf16 --out results.json
+    python bench/zero3_reduce.py --offload --hidden 1023 --layers 12
 """
 
 from __future__ import annotations
@@ -203,6 +214,9 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     if args.dtype == "bf16":
         config["bf16"] = {"enabled": True}
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if args.offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host, for a bitwise comparison
     engines, probes = {}, {}
     for name in _ENGINES:
         torch.manual_seed(0)
@@ -210,6 +224,8 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         initialize = deepspeed.initialize if name == "stock" else flatgrad.deepspeed.initialize
         cfg = dict(config, flatgrad={"backend": args.backend} if args.backend else {}) if name == "flatgrad" else config
         engines[name] = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+        if name == "flatgrad" and args.stage:
+            engines[name].optimizer.flatgrad_zero3.always_stage = True
         probes[name] = _Probe()
         _instrument(engines[name], probes[name])
     params = sum(p.ds_numel for p in engines["stock"].module.parameters())
@@ -224,7 +240,11 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     steps = args.warmup + args.repeats + 1
     shape = (args.micro_batch, args.hidden)
     batches = [[torch.randn(shape, generator=g).to(dtype) for _ in range(args.gas)] for _ in range(steps)]
-    samples: dict[str, dict[str, list[float]]] = {n: {"seconds": [], "collective": []} for n in _ENGINES}
+    from flatgrad.testing.host_writes import HostWrites
+
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {"seconds": [], "collective": [], "backward": []} for n in _ENGINES
+    }
     counted = {}
     for step, micro_batches in enumerate(batches):
         last = step == steps - 1
@@ -234,15 +254,25 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             probe.seconds = probe.collective = 0.0
             probe.buckets = 0
             probe.traffic = _Traffic() if last else None
+            opt = engine.optimizer
+            host = [opt.grad_partitions_flat_buffer] + [g.grad for g in opt.fp32_partitioned_groups_flat]
+            writes = HostWrites(host if args.offload else [])
+            backward = 0.0
             for x in micro_batches:
-                engine.backward(engine(x))
+                loss = engine(x)
+                start = time.perf_counter()
+                with writes if last else contextlib.nullcontext():
+                    engine.backward(loss)
+                backward += time.perf_counter() - start
                 engine.step()
             if last:
                 counted[name] = {"read": probe.traffic.read, "written": probe.traffic.written, "ops": probe.traffic.ops,
-                                 "buckets": probe.buckets, "by_op": probe.traffic.by_op}
+                                 "buckets": probe.buckets, "by_op": probe.traffic.by_op,
+                                 "host_writes": writes.total}
             elif step >= args.warmup:
                 samples[name]["seconds"].append(probe.seconds)
                 samples[name]["collective"].append(probe.collective)
+                samples[name]["backward"].append(backward)
     deepspeed.comm.reduce_scatter_fn, flatgrad.comm.reduce_scatter = stock_rs, flat_rs
     return {
         "params": params,
@@ -283,8 +313,11 @@ def summarize(results: list[dict]) -> dict:
         coll = list(zip(*(r["samples"][name]["collective"] for r in results)))
         slowest = [max(s) for s in per_step]
         copies = [max(s - c for s, c in zip(ss, cs)) for ss, cs in zip(per_step, coll)]
+        backward = [max(s) for s in zip(*(r["samples"][name]["backward"] for r in results))]
         t = results[0]["traffic"][name]
         out[name] = {
+            "backward_ms": {"median": 1e3 * statistics.median(backward), "min": 1e3 * min(backward)},
+            "host_writes_per_step": t["host_writes"],
             "reduce_path_ms": {"median": 1e3 * statistics.median(slowest), "min": 1e3 * min(slowest)},
             "copies_ms": {"median": 1e3 * statistics.median(copies), "min": 1e3 * min(copies)},
             "traffic_bytes": t["read"] + t["written"],
@@ -301,6 +334,7 @@ def summarize(results: list[dict]) -> dict:
         "copies_median": f["copies_ms"]["median"] / s["copies_ms"]["median"],
         "copies_min": f["copies_ms"]["min"] / s["copies_ms"]["min"],
         "traffic": f["traffic_bytes"] / s["traffic_bytes"],
+        "backward_median": f["backward_ms"]["median"] / s["backward_ms"]["median"],
         "ops_per_bucket": f["ops_per_bucket"] / s["ops_per_bucket"],
     }
     return out
@@ -311,6 +345,7 @@ def format_table(summary: dict, args: argparse.Namespace) -> str:
         f"ZeRO-3 reduce path per step: {summary['params'] / 1e6:.1f}M params, {args.world_size} gloo ranks, "
         f"{args.dtype}, "
         f"reduce_bucket_size {args.bucket:,}, gas {args.gas}, flatgrad backend {summary['backend']!r}, "
+        + ("CPU optimizer offload" + (" (staged), " if args.stage else ", ") if args.offload else "") +
         f"{args.repeats} timed steps",
         f"{'':10} {'reduce path ms':>22} {'copies ms':>22} {'traffic MB':>11} {'buckets':>8} {'ops/bucket':>11}",
         f"{'':10} {'median':>11}{'min':>11} {'median':>11}{'min':>11}",
@@ -327,6 +362,12 @@ def format_table(summary: dict, args: argparse.Namespace) -> str:
         f"{'ratio':10} {r['reduce_path_median']:11.2f}{r['reduce_path_min']:11.2f} {r['copies_median']:11.2f}"
         f"{r['copies_min']:11.2f} {r['traffic']:11.2f} {'':8} {r['ops_per_bucket']:11.2f}"
     )
+    for name in _ENGINES:
+        e = summary[name]
+        writes = f", {e['host_writes_per_step']} host writes per step" if args.offload else ""
+        lines.append(f"backward {name}: {e['backward_ms']['median']:.1f} ms median, {e['backward_ms']['min']:.1f} min"
+                     f"{writes}")
+    lines.append(f"backward flatgrad/stock = {r['backward_median']:.2f} (median)")
     lines.append(f"ops: stock {summary['stock']['ops']}")
     lines.append(f"ops: flatgrad {summary['flatgrad']['ops']}")
     target = "met" if r["traffic"] <= 0.5 else "NOT met"
@@ -348,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--backend", default=None, help="flatgrad kernel backend (default: auto)")
+    parser.add_argument("--offload", action="store_true", help="offload_optimizer: {device: cpu}, torch AdamW")
+    parser.add_argument("--stage", action="store_true", help="with --offload: flatgrad stages every segment")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", default=None, help="write the raw figures as JSON")
     args = parser.parse_args(argv)
