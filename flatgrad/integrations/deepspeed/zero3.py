@@ -214,6 +214,16 @@ class Zero3Reducer:
             )
         return line
 
+    def metadata_bytes(self) -> int:
+        """Bytes kept besides gradients and buffers: the kernels' cached run tables, the buckets' plan tables
+        and the step statistics (KBs), which memory figures name rather than hide."""
+        from ...kernels import _tables
+
+        plans = [c.bucket.pack_plan for c in self.compositions.values()]
+        plans += [c.bucket.unpack_plan for c in self.compositions.values() if c.bucket.unpack_plan is not None]
+        stats = self.stats.total.nbytes if self.stats.total is not None else 0
+        return _tables.nbytes() + sum(plan.table_bytes for plan in plans) + stats + self._window.nbytes
+
     # -- the two seams ------------------------------------------------------------------------
 
     @torch.no_grad()
