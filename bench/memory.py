@@ -29,7 +29,7 @@ stock and flatgrad; model states and activations are equal) to a 7B model at 8,
 
     python bench/memory.py                              # everything, about 3 minutes here
     python bench/memory.py --stages 2 --world-sizes 2 --dtypes bf16 --out memory.json
-    python bench/memory.py --offload --stages 1 2     # CPU optimizer offload: host and device sides apart
+    python bench/memory.py --offload --stages 1 2 3   # CPU optimizer offload: host and device sides apart
 """
 
 from __future__ import annotations
@@ -129,6 +129,9 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     }
     reduction = getattr(engine.optimizer, "_flatgrad", None)
     out["metadata_bytes"] = 0
+    zero3 = getattr(engine.optimizer, "flatgrad_zero3", None)
+    if zero3 is not None:
+        out["metadata_bytes"] = zero3.metadata_bytes()  # plan tables and step statistics, KBs
     if reduction is not None:
         out["comm_buffer_bytes"] = sum(r.comm_buffer_bytes for r in reduction.reducers)
         # Tables and plans (hundreds of bytes to KBs), named rather than hidden in the allowance.
@@ -142,12 +145,20 @@ def _host_bytes(optimizer: Any) -> int:
     """Bytes of the tensors DeepSpeed's optimizer offload keeps on the host, each storage counted once.
 
     The fp32 master partitions and their gradients, the optimizer state, and stock's
-    per-parameter accumulation buffers and bit16 staging buffers. On a CPU rank host and
-    device are one memory; this is the share that offload places on the host.
+    per-parameter accumulation buffers and bit16 staging buffers; under ZeRO-3 the host grad
+    partitions, and flatgrad's pinned staging buffers. On a CPU rank host and device are one
+    memory; this is the share that offload places on the host.
     """
     tensors: list[torch.Tensor] = []
-    for master in getattr(optimizer, "single_partition_of_fp32_groups", []):
-        tensors += [master] + ([master.grad] if master.grad is not None else [])
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        for master in getattr(optimizer, name, None) or []:
+            tensors += [master] + ([master.grad] if master.grad is not None else [])
+    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if torch.is_tensor(flat) and flat.device.type == "cpu":
+        tensors.append(flat)
+    zero3 = getattr(optimizer, "flatgrad_zero3", None)
+    if zero3 is not None:
+        tensors += zero3.staging_buffers
     for state in optimizer.optimizer.state.values():
         tensors += [v for v in state.values() if torch.is_tensor(v)]
     tensors += list(getattr(optimizer, "accumulated_grads_in_cpu", {}).values())

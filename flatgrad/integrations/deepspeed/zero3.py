@@ -447,6 +447,11 @@ class Zero3Reducer:
             target.copy_(source if source.dtype == dtype else source.to(dtype), non_blocking=True)
             self.fp32_copies += 1
 
+    @property
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The pinned host staging buffers of the GPU's offload path (empty until allocated, and on a CPU rank)."""
+        return [b for b in self._staging if b is not None]
+
     def needs_staging(self) -> bool:
         """Whether the reduced segments reach the host partitions through the staging buffers: the
         partitions are not in the compute device's memory, or ``always_stage`` asks for it."""
