@@ -157,6 +157,15 @@ def test_offload_bitwise_equal_to_stock_offload(world_size: int, gas: int, clip:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
+def test_deprecated_cpu_offload_key_is_served() -> None:
+    """``zero_optimization.cpu_offload: true``, which DeepSpeed reads as CPU optimizer offload: served, bitwise."""
+    options = {**BASE, "cpu_offload": True, "clip": 0.05}
+    results = [_deserialized(r) for r in launch(_stock_vs_flat, 2, 2, options, timeout=280)]
+    _compare(results, 2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("accum", ["fp32", "bf16"])
 def test_offload_bf16_bitwise_equal_to_stock_offload(accum: str) -> None:
     """bf16 training, fp32 or bf16 host grad partitions (cast to the fp32 gradient at the boundary), clipped."""
