@@ -1,9 +1,10 @@
-"""Hugging Face ``Trainer`` with the Transformers DeepSpeed guide's ZeRO-2 example config (optimizer offload),
-unchanged, on 2 real gloo ranks: stock DeepSpeed against ``flatgrad.deepspeed.patch()``.
+"""Hugging Face ``Trainer`` with the Transformers DeepSpeed guide's ZeRO-2 and ZeRO-3 example configs (optimizer
+offload; ZeRO-3 parameter offload too), unchanged, on 2 real gloo ranks: stock DeepSpeed against
+``flatgrad.deepspeed.patch()``.
 
-The config below is the guide's ZeRO-2 example as a user copies it: CPU optimizer
-offload with pinned memory, ``overlap_comm``, and ``"auto"`` for everything the
-``Trainer`` fills in. The model is a small GPT-2 built from its config (no download).
+The configs below are the guide's examples as a user copies them: CPU offload with
+pinned memory, ``overlap_comm``, and ``"auto"`` for everything the ``Trainer`` fills
+in. The model is a small GPT-2 built from its config (no download).
 """
 
 from __future__ import annotations
@@ -46,6 +47,40 @@ HF_ZERO2_OFFLOAD = {
 }  # fmt: skip
 
 
+HF_ZERO3_OFFLOAD = {
+    "fp16": HF_ZERO2_OFFLOAD["fp16"],
+    "optimizer": HF_ZERO2_OFFLOAD["optimizer"],
+    "scheduler": HF_ZERO2_OFFLOAD["scheduler"],
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}  # fmt: skip
+
+
+def _full_params(engine) -> dict:
+    """The module's weights, gathered in full under ZeRO-3 (each rank holds a partition)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+
+
 def _trainer_rank(rank: int, world_size: int, root: str, ds_config: dict) -> dict:
     import os
 
@@ -74,9 +109,9 @@ def _trainer_rank(rank: int, world_size: int, root: str, ds_config: dict) -> dic
         engine = trainer.model_wrapped
         out[kind] = {
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-            "flatgrad": getattr(engine.optimizer, "_flatgrad", None) is not None,
-            "offload": bool(getattr(engine.optimizer, "cpu_offload", False)),
-            "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+            "flatgrad": any(getattr(engine.optimizer, name, None) is not None for name in ("_flatgrad", "flatgrad_zero3")),
+            "offload": any(bool(getattr(engine.optimizer, name, False)) for name in ("cpu_offload", "offload_optimizer")),
+            "params": _full_params(engine),
         }
         if kind == "flatgrad":
             fds.unpatch()
@@ -84,8 +119,9 @@ def _trainer_rank(rank: int, world_size: int, root: str, ds_config: dict) -> dic
 
 
 @pytest.mark.timeout(600)
-def test_trainer_with_the_guides_zero2_offload_config_engages_flatgrad_and_trains_like_stock(tmp_path):
-    for out in launch(_trainer_rank, 2, str(tmp_path), HF_ZERO2_OFFLOAD, timeout=580):
+@pytest.mark.parametrize("ds_config", [HF_ZERO2_OFFLOAD, HF_ZERO3_OFFLOAD], ids=["zero2", "zero3"])
+def test_trainer_with_the_guides_offload_configs_engages_flatgrad_and_trains_like_stock(tmp_path, ds_config):
+    for out in launch(_trainer_rank, 2, str(tmp_path), ds_config, timeout=580):
         stock, fg = out["stock"], out["flatgrad"]
         assert stock["offload"] and fg["offload"]
         assert not stock["flatgrad"] and fg["flatgrad"], "flatgrad did not take the Trainer's engine"

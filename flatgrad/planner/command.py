@@ -190,14 +190,17 @@ def _run_offload(args: argparse.Namespace, kwargs: dict) -> int:
         lines = [
             f"{spec.name}: {spec.numel:,} trainable elements, bucket {args.bucket:,}; host copies of rank {args.rank} "
             "in one backward at the boundary under CPU optimizer offload",
-            f"{'W':>6} {'stock ZeRO-1/2':>15} {'flatgrad ZeRO-1/2 (GPU)':>24} {'(CPU)':>6} {'stock ZeRO-3':>13}",
+            f"{'W':>6} {'stock ZeRO-1/2':>15} {'flatgrad ZeRO-1/2 (GPU)':>24} {'stock ZeRO-3':>13} "
+            f"{'flatgrad ZeRO-3 (GPU)':>22}",
         ]
         for r in rows:
             lines.append(
-                f"{r['world_size']:>6} {r['stock_zero2']:>15,} {r['flatgrad_zero2']:>24,} {0:>6} {r['stock_zero3']:>13,}"
+                f"{r['world_size']:>6} {r['stock_zero2']:>15,} {r['flatgrad_zero2']:>24,} {r['stock_zero3']:>13,} "
+                f"{r['flatgrad_zero3']:>22,}"
             )
         lines.append("stock: one copy per parameter piece of the rank's partition (ZeRO-3: per parameter with data "
-                     "there); flatgrad: one per bucket-sized sub-group on a GPU rank, none on a CPU rank (in place)")
+                     "there); flatgrad: one per bucket-sized sub-group (ZeRO-3: per bucket) on a GPU rank, none on a CPU rank, "
+                     "where the unpack writes the host partitions")
         return "\n".join(lines) + "\n"
 
     return _emit(args, doc, text, lambda path: None)

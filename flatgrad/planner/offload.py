@@ -9,7 +9,10 @@ partition moves into the host fp32 partition at the accumulation boundary.
   every micro-step also copies each such parameter's whole gradient to a host
   buffer (``async_accumulate_grad_in_cpu_via_gpu``) and, after the first, back.
 * Stock ZeRO-3 copies once per parameter with data in the rank's partition
-  (``_offload_grad_partition_at_boundary``).
+  (``partition_grads`` into its host grad buffer, then ``_offload_grad_partition_at_boundary``).
+* flatgrad ZeRO-3 moves each bucket's reduced segment to the host in one transfer on a
+  GPU rank (the unpack writes the host buffers directly on a CPU rank), see
+  [Note: ZeRO-3 optimizer offload].
 * flatgrad ZeRO-1/2 makes one copy per bucket-sized sub-group on a GPU rank, at the
   window's last micro-step only ([Note: shard targets]); on a CPU rank accumulating
   in fp32 it makes none, the unpack writing the host partition in place.
@@ -24,7 +27,7 @@ from typing import NamedTuple
 
 from .flatgrad_schedule import sub_groups
 from .models import ModelSpec
-from .stock import check_args, partitions
+from .stock import check_args, partitions, zero3_buckets
 
 __all__ = ["OffloadCopies", "offload_copies"]
 
@@ -36,11 +39,13 @@ class OffloadCopies(NamedTuple):
         stock_zero2: stock ZeRO-1/2's copies (one per parameter piece of the rank's partitions).
         flatgrad_zero2: flatgrad ZeRO-1/2's on a GPU rank (one per sub-group; 0 on a CPU rank, in place).
         stock_zero3: stock ZeRO-3's (one per parameter with data in the rank's partition).
+        flatgrad_zero3: flatgrad ZeRO-3's on a GPU rank (one per bucket; 0 on a CPU rank).
     """
 
     stock_zero2: int
     flatgrad_zero2: int
     stock_zero3: int
+    flatgrad_zero3: int
 
 
 def offload_copies(spec: ModelSpec, world_size: int, *, bucket_numel: int, rank: int = 0) -> OffloadCopies:
@@ -58,4 +63,5 @@ def offload_copies(spec: ModelSpec, world_size: int, *, bucket_numel: int, rank:
         if p.requires_grad and p.numel > 0:
             chunk = -(-p.numel // world_size)
             stock3 += chunk * rank < p.numel
-    return OffloadCopies(stock2, len(sub_groups(spec, bucket_numel)), stock3)
+    buckets3 = len(zero3_buckets(spec, bucket_numel)) if world_size > 1 else 0
+    return OffloadCopies(stock2, len(sub_groups(spec, bucket_numel)), stock3, buckets3)
