@@ -131,6 +131,8 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         # shards of a reducer are then one arena, in sub-group order. See [Note: optimizer arenas].
         use_arenas = type(o.optimizer) in ELEMENTWISE and o.partition_gradients and not self.offload
         self._make_reducers(groups, use_arenas)
+        # Under offload, the host partitions the reducers deliver into, by sub-group (fixed at install).
+        self._host_targets = [self._host_gradient(i) for i in range(len(self.layouts))] if self.offload else []
 
         # How step()'s per-piece views lie in each sub-group's partition, planned once; the
         # partitions themselves live for one accumulation window. See [Note: ZeRO-2 memory].
@@ -351,10 +353,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         for r in self.reducers:
             r.deliver()
             r.final_micro_step = False
-        shards = {id(r): [gs.shard for gs in r.grad_shards()] for r in self.reducers}
-        for i, (reducer, b) in enumerate(self._slot):
-            target = shards[id(reducer)][b]
-            master = o.single_partition_of_fp32_groups[i]
+        for master, target in zip(o.single_partition_of_fp32_groups, self._host_targets):
             if master.grad is not target:
                 master.grad = target
 
