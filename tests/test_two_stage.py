@@ -184,6 +184,48 @@ def test_2d_reduce_scatter_matches_flat_and_is_no_less_accurate(world_size, node
         assert 0 < error_2d <= error_flat, (dtype, method, error_2d**0.5, error_flat**0.5)  # 0 <: rounding is there
 
 
+def _divided_rank(rank: int, world_size: int, node_size: int) -> list:
+    """ZeRO-3's buckets (chunked layout, stock's divide): two-stage and flat, fp32 and bf16 comm."""
+    from flatgrad import comm
+    from flatgrad.reducer import Bucket, DividedPack, ReduceScatter, TwoStageReduceScatter
+
+    params = [nn.Parameter(torch.zeros(n)) for n in NUMELS]
+    layout = Layout.chunked(list(NUMELS), world_size)
+    topology = plan_topology(node_size, list(range(world_size)), world_size, rank)
+    twod = TwoStageReduceScatter(topology)
+    twod.connect()
+    gen = torch.Generator().manual_seed(rank)
+    # Multiples of W: each g / W is a small integer and every sum of them is exact in bf16, whatever the order.
+    grads = [torch.randint(-20, 21, (n,), generator=gen).float() * world_size for n in NUMELS]
+    out = []
+    for comm_dtype in (torch.float32, torch.bfloat16):
+        for mode in (DividedPack(twod), DividedPack(ReduceScatter())):
+            b = Bucket(
+                0, tuple(params), layout, rank, comm_dtype=comm_dtype, averaging=comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0),
+                method="tensor", backend=None, mode=mode, prescale=1.0, postscale=1.0, streams=None,
+            )  # fmt: skip
+            mode.bind(b, "input", torch.empty(layout.numel, dtype=comm_dtype), rank, world_size)
+            b.pack([g.to(torch.float32) for g in grads])
+            b.start(None, rank, None).wait()
+            b.shard = [torch.empty(p.length) for p in b.pieces]
+            b.unpack(rank, world_size, collect_stats=False)
+            out.append((str(comm_dtype), mode.name, [t.clone() for t in b.shard], [tuple(p) for p in b.pieces]))
+    return [out, grads]
+
+
+@pytest.mark.timeout(120)
+def test_divided_pack_keeps_stocks_divide_around_the_two_stage_mode():
+    world_size = 6  # not a power of two: stock divides the packed buffer, the pre-scale would not
+    results = run_ranks(_divided_rank, world_size, 3, timeout=100)
+    everyone = [grads for _, grads in results]
+    for rank, (out, _) in enumerate(results):
+        assert {name for _, name, _, _ in out} == {"2d_reduce_scatter", "reduce_scatter"}
+        for dtype, name, shard, pieces in out:
+            for got, (tensor_index, tensor_offset, _, length) in zip(shard, pieces):
+                full = sum(g[tensor_index] for g in everyone) / world_size
+                assert torch.equal(got, full[tensor_offset : tensor_offset + length]), (rank, dtype, name)
+
+
 def _bad_node_size_rank(rank: int, world_size: int, case: str) -> str:
     node_size = {"no divide": 3, "differs": 2 if rank == 0 else 1, "launcher": 2}[case]
     if case == "launcher" and rank == 1:
@@ -282,6 +324,96 @@ def test_deepspeed_zero2_two_stage_on_two_nodes_of_two_matches_flat_and_checkpoi
         for run in (flat, twod, hier, out["int8"]):
             assert run["resumed_losses"] == run["losses"][8:], rank  # the checkpoint resumes bitwise
             assert all(torch.equal(run["resumed_params"][n], p) for n, p in run["params"].items()), rank
+
+
+def _zero3_state(engine, rank: int) -> list[torch.Tensor]:
+    """This rank's fp32 master partitions, whole (ZeRO-3 keeps no full parameters between steps)."""
+    return [flat.detach().clone() for flat in engine.optimizer.fp32_partitioned_groups_flat]
+
+
+def _zero3_rank(rank: int, world_size: int, root: str) -> dict:
+    import deepspeed.comm as ds_dist
+    from _ds import MLP, ds_config, make_batches, train
+
+    import flatgrad.deepspeed as fds
+
+    _as_nodes(rank, 2)
+    batches = make_batches(rank, 16, 2, 13, 5)
+    out: dict = {}
+    runs = {"flat": ("reduce_scatter", "fp32"), "2d": ("2d_reduce_scatter", "fp32"),
+            "flat_bf16": ("reduce_scatter", "bf16"), "2d_bf16": ("2d_reduce_scatter", "bf16")}  # fmt: skip
+    for name, (reduction, comm_dtype) in runs.items():
+        cfg = ds_config(3, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": comm_dtype})
+        torch.manual_seed(0)
+        engine, *_ = fds.initialize(model=MLP(), config=cfg)
+        reducer = engine.optimizer.flatgrad_zero3
+        losses = train(engine, batches[:8])
+        modes = {(type(c.bucket.mode).__name__, c.bucket.mode.name) for c in reducer.compositions.values()}
+        inner = {type(getattr(c.bucket.mode, "inner", c.bucket.mode)).__name__ for c in reducer.compositions.values()}
+        path = os.path.join(root, name)
+        engine.save_checkpoint(path, tag="t")
+        continued = train(engine, batches[8:])
+        ds_dist.barrier()
+        torch.manual_seed(1)  # other initial weights: all must come from the checkpoint
+        resumed, *_ = fds.initialize(model=MLP(), config=cfg)
+        resumed.load_checkpoint(path, tag="t")
+        out[name] = {
+            "modes": modes, "inner": inner, "line": reducer.describe(), "losses": losses + continued,
+            "master": _zero3_state(engine, rank), "resumed_losses": train(resumed, batches[8:]),
+            "resumed_master": _zero3_state(resumed, rank),
+        }  # fmt: skip
+        engine.destroy()
+        resumed.destroy()
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_deepspeed_zero3_two_stage_on_two_nodes_of_two_matches_flat_and_checkpoints_load(tmp_path):
+    from _ds import launch
+
+    for rank, out in enumerate(launch(_zero3_rank, 4, str(tmp_path), timeout=380)):
+        flat, twod = out["flat"], out["2d"]
+        # fp32 grads, fp32 comm, 4 ranks: stock's divide folds into the pack (a power of two, no cast).
+        assert twod["modes"] == {("TwoStageReduceScatter", "2d_reduce_scatter")}, (rank, twod["modes"])
+        assert flat["modes"] == {("ReduceScatter", "reduce_scatter")}, rank
+        assert "in the node of 2 rank(s), then one over the rail of 2 node(s)" in twod["line"], twod["line"]
+        assert len(twod["losses"]) == len(flat["losses"]) == 16
+        assert max(abs(a - b) for a, b in zip(twod["losses"], flat["losses"])) <= 1e-6, (rank, twod["losses"], flat["losses"])
+        # A cast to bf16 before the sum: stock's divide of the packed buffer, kept around the two-stage mode.
+        assert out["2d_bf16"]["modes"] == {("DividedPack", "2d_reduce_scatter")}, rank
+        assert out["2d_bf16"]["inner"] == {"TwoStageReduceScatter"}, rank
+        assert out["flat_bf16"]["modes"] == {("DividedPack", "reduce_scatter")}, rank
+        # The bf16 runs are not compared by value (the sums round in two orders and Adam carries that on); the
+        # divide they share is checked exactly by test_divided_pack_keeps_stocks_divide_around_the_two_stage_mode.
+        for run in out.values():
+            assert run["resumed_losses"] == run["losses"][8:], rank  # the checkpoint resumes bitwise
+            assert all(torch.equal(a, b) for a, b in zip(run["resumed_master"], run["master"])), rank
+
+
+def _zero3_bad_rank(rank: int, world_size: int, case: str) -> str:
+    from _ds import MLP, ds_config
+
+    import flatgrad.deepspeed as fds
+
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    node_size = {"no-divide": 3, "differs": 4 if rank == 0 else 2}[case]
+    cfg = ds_config(3, world_size=world_size, flatgrad={"reduction": "2d_reduce_scatter", "node_size": node_size})
+    try:
+        fds.initialize(model=MLP(), config=cfg)
+    except fds.UnsupportedConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["no-divide", "differs"])
+def test_deepspeed_zero3_bad_node_size_raises_on_every_rank(case):
+    from _ds import launch
+
+    for rank, message in enumerate(launch(_zero3_bad_rank, 4, case, timeout=180)):
+        assert "node_size" in message and f"this is rank {rank}" in message, (rank, message)
+        if case == "no-divide":
+            assert "does not divide the world size 4" in message, message
 
 
 # ------------------------------------------------------------------ hier_int8 / hier_fp8

@@ -11,7 +11,7 @@ from .agreement import LayoutMismatchError, agree, agreement_device
 from .config import REDUCTIONS, TWO_STAGE_REDUCTIONS, ReducerConfig
 from .bucket import Bucket
 from .modes import (
-    DividedReduceScatter, ExactSum, HierarchicalExact, HierarchicalQuantized, QuantizedTwoStage, QuantizedWire, ReduceScatter, ReductionMode, StagedWork, TwoStageReduceScatter, make_mode,
+    DividedPack, ExactSum, HierarchicalExact, HierarchicalQuantized, QuantizedTwoStage, QuantizedWire, ReduceScatter, ReductionMode, StagedWork, TwoStageReduceScatter, make_mode,
 )  # fmt: skip
 from .topology import Topology, default_node_size, place_ranks, plan_topology, two_stage_positions
 from .reducer import BucketReducer, GradShard, build_buckets
@@ -19,7 +19,7 @@ from .shards import ArenaShards, OwnShards, ShardStore, TargetShards
 
 __all__ = [
     "agree", "agreement_device", "ArenaShards", "Bucket", "BucketReducer", "build_buckets", "default_node_size",
-    "DividedReduceScatter", "ExactSum", "GradShard", "HierarchicalExact", "HierarchicalQuantized",
+    "DividedPack", "ExactSum", "GradShard", "HierarchicalExact", "HierarchicalQuantized",
     "LayoutMismatchError", "make_mode", "OwnShards", "place_ranks", "plan_topology", "QuantizedTwoStage",
     "QuantizedWire", "ReducerConfig", "ReduceScatter", "ReductionMode", "REDUCTIONS", "ShardStore", "StagedWork",
     "TargetShards", "Topology", "two_stage_positions", "TWO_STAGE_REDUCTIONS", "TwoStageReduceScatter",

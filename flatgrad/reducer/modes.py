@@ -103,7 +103,7 @@ if TYPE_CHECKING:
     from .bucket import Bucket
 
 __all__ = [
-    "DividedReduceScatter", "ExactSum", "HierarchicalExact", "HierarchicalQuantized", "QuantizedTwoStage", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "StagedWork",
+    "DividedPack", "ExactSum", "HierarchicalExact", "HierarchicalQuantized", "QuantizedTwoStage", "PoolSlot", "QuantizedWire", "ReduceScatter", "ReductionMode", "StagedWork",
     "TwoStageReduceScatter", "make_mode",
 ]  # fmt: skip
 
@@ -204,17 +204,57 @@ class ReduceScatter(ReductionMode):
         return b.unpack_plan(b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate, return_stats=collect_stats)
 
 
-class DividedReduceScatter(ReduceScatter):
-    """``ReduceScatter`` whose packed buffer is divided by the world size in place before the collective.
+class DividedPack(ReductionMode):
+    """``inner``, with its packed comm-dtype buffer divided by the world size in place before the collective.
 
     Stock ZeRO-3's arithmetic: ``x / W`` differs from ``x * (1/W)`` unless W is a power of two and
     nothing was cast before it, so where the fused pre-scale would change bits the buffer is divided
-    as stock divides it (see [Note: ZeRO-3 reduce path]).
+    as stock divides it (see [Note: ZeRO-3 reduce path]). Everything else is ``inner``'s, its process
+    groups included: a divided twin of a connected mode needs no ``connect`` of its own.
     """
 
+    def __init__(self, inner: ReductionMode) -> None:
+        if isinstance(inner, (QuantizedWire, DividedPack)):
+            raise TypeError(f"DividedPack needs a mode that packs a comm-dtype buffer, not {type(inner).__name__}")
+        self.inner = inner
+        self.name, self.block, self.error_feedback = inner.name, inner.block, inner.error_feedback
+
+    def describe(self) -> tuple:
+        return (*self.inner.describe(), "divided")
+
+    def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
+        return self.inner.averaging(average, world_size, dtype, group, device)
+
+    def pack_plan(self, layout, count, dtype, device, backend) -> Any:
+        return self.inner.pack_plan(layout, count, dtype, device, backend)
+
+    def residual(self, layout, device) -> torch.Tensor | None:
+        return self.inner.residual(layout, device)
+
+    def connect(self) -> None:
+        self.inner.connect()
+
+    def prepare(self, b) -> None:
+        self.inner.prepare(b)
+
+    def pool_dtype(self, comm_dtype) -> torch.dtype | None:
+        return self.inner.pool_dtype(comm_dtype)
+
+    def pool_slots(self, buckets, world_size) -> list[PoolSlot]:
+        return self.inner.pool_slots(buckets, world_size)
+
+    def bind(self, b, purpose, buffer, rank, world_size) -> None:
+        self.inner.bind(b, purpose, buffer, rank, world_size)
+
     def pack(self, b, grads) -> None:
-        super().pack(b, grads)
+        self.inner.pack(b, grads)
         b.input.div_(b.layout.world_size)
+
+    def start(self, b, group, collectives) -> Any:
+        return self.inner.start(b, group, collectives)
+
+    def unpack(self, b, rank, world_size, collect_stats) -> torch.Tensor | None:
+        return self.inner.unpack(b, rank, world_size, collect_stats)
 
 
 class ExactSum(ReduceScatter):

@@ -162,10 +162,10 @@ def route(*args: Any, **kwargs: Any) -> Route:
                 f"flatgrad's ZeRO-3 backend is not available ({exc}) ('zero_optimization.stage' = 3)"
             ) from exc
         zero3.check_offload(ds_config)
-        if cfg.reduction != "reduce_scatter":
+        if cfg.reduction not in zero3.ZERO3_REDUCTIONS:
             raise UnsupportedConfigError(
-                f"'flatgrad.reduction' = {cfg.reduction!r} is not supported by flatgrad's ZeRO-3 backend yet "
-                "(ZeRO-1/2 only); use 'reduce_scatter' ('zero_optimization.stage' = 3)"
+                f"'flatgrad.reduction' = {cfg.reduction!r} is not supported by flatgrad's ZeRO-3 backend (ZeRO-1/2 "
+                f"only); use one of {zero3.ZERO3_REDUCTIONS} ('zero_optimization.stage' = 3)"
             )
         if arguments.get("optimizer") is None and "optimizer" not in ds_config:
             raise UnsupportedConfigError(
