@@ -922,6 +922,60 @@ def _checkpoint_rank(rank, world_size, root):
     }
 
 
+def _residual_checkpoint_rank(rank, world_size, root):
+    import warnings
+
+    from flatgrad.integrations.deepspeed.zero2.checkpoint import RESIDUALS_KEY
+
+    batches = make_batches(rank, 16, 2, D_IN, D_OUT)
+    feedback = {"reduction": "int8", "error_feedback": True, "block": 32}
+    cfg = ds_config(2, world_size=world_size, bucket=500, flatgrad=feedback)
+    engine = _engine("flatgrad", cfg)
+    train(engine, batches[:8])
+    path = os.path.join(root, "feedback")
+    engine.save_checkpoint(path, tag="t")
+    saved = [r.detach().clone() for red in engine.optimizer._flatgrad.reducers for r in red.state_dict()["residuals"]]
+    continued = train(engine, batches[8:])
+    out = {"continued": continued, "saved_nonzero": all(bool(r.abs().sum() > 0) for r in saved)}
+    # Without the residuals the run goes another way: the comparison below can fail.
+    cleared = _engine("flatgrad", cfg, seed=1)
+    cleared.load_checkpoint(path, tag="t")
+    for red in cleared.optimizer._flatgrad.reducers:
+        for r in red.state_dict()["residuals"]:
+            r.zero_()
+    out["cleared"] = train(cleared, batches[8:])
+    resumed = _engine("flatgrad", cfg, seed=1)
+    resumed.load_checkpoint(path, tag="t")
+    out["resumed"] = train(resumed, batches[8:])
+    # A checkpoint of a run without feedback: this run's residuals restart at zero, with a warning naming the key.
+    plain = _engine("flatgrad", ds_config(2, world_size=world_size, bucket=500, flatgrad={"reduction": "int8", "block": 32}))
+    train(plain, batches[:8])
+    plain_path = os.path.join(root, "plain")
+    plain.save_checkpoint(plain_path, tag="t")
+    out["plain_has_key"] = RESIDUALS_KEY in plain.optimizer.state_dict()
+    restart = _engine("flatgrad", cfg, seed=1)
+    train(restart, batches[:2])  # residuals nonzero before the load
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restart.load_checkpoint(plain_path, tag="t")
+    out["warnings"] = [str(w.message) for w in caught if RESIDUALS_KEY in str(w.message)]
+    out["restart_zero"] = all(
+        not bool(r.any()) for red in restart.optimizer._flatgrad.reducers for r in red.state_dict()["residuals"]
+    )
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_error_feedback_residuals_travel_in_checkpoints(tmp_path):
+    for rank, r in enumerate(launch(_residual_checkpoint_rank, 2, str(tmp_path), timeout=180)):
+        assert r["saved_nonzero"], rank
+        assert r["resumed"] == r["continued"], rank  # bitwise: the residuals came back
+        assert r["cleared"] != r["continued"], rank
+        assert not r["plain_has_key"], rank  # no residuals, no key: the checkpoint is stock's layout
+        assert r["warnings"] and "restart at zero" in r["warnings"][0], (rank, r["warnings"])
+        assert r["restart_zero"], rank
+
+
 @pytest.mark.timeout(120)
 def test_checkpoint_round_trip_continues_bitwise_and_zero_to_fp32_gives_live_weights(tmp_path):
     results = launch(_checkpoint_rank, 2, str(tmp_path))

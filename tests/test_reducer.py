@@ -864,6 +864,56 @@ def test_reduction_modes_bitwise_equal_reference(world_size):
                 assert torch.equal(g, e), f"rank {rank} bucket {b} {label}: max diff {(g - e).abs().max()}"
 
 
+def _state_rank(rank: int, world_size: int) -> dict:
+    """A reducer's residuals through state_dict / load_state_dict, and the loads it refuses."""
+    def make(**options):
+        torch.manual_seed(0)
+        model = _MLP()
+        return model, BucketReducer(build_buckets(model, 1500), reduction="int8", block=64, **options)
+
+    model, reducer = make(error_feedback=True)
+    model.loss(rank, 0).backward()
+    reducer.finish()
+    state = reducer.state_dict()
+    saved = [t.clone() for t in state["residuals"]]
+    _, other = make(error_feedback=True)
+    other.load_state_dict(state)
+    out = {
+        "nonzero": all(bool(t.any()) for t in saved),
+        "restored": all(torch.equal(a, b) for a, b in zip(other.state_dict()["residuals"], saved)),
+        "copied": all(a.data_ptr() != b.data_ptr() for a, b in zip(other.state_dict()["residuals"], saved)),
+        "errors": [],
+    }
+    _, plain = make()
+    bad = [
+        (plain, state),  # another reduction (no feedback)
+        (other, {**state, "residuals": state["residuals"][:-1]}),
+        (other, {**state, "residuals": [t[:-1] for t in state["residuals"]]}),
+        (other, {"reduction": state["reduction"]}),
+    ]
+    before = [t.clone() for t in other.state_dict()["residuals"]]
+    for target, loaded in bad:
+        try:
+            target.load_state_dict(loaded)
+            out["errors"].append("no error")
+        except ValueError as exc:
+            out["errors"].append(str(exc))
+    out["untouched"] = all(torch.equal(a, b) for a, b in zip(other.state_dict()["residuals"], before))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_state_dict_round_trips_the_residuals_and_refuses_what_does_not_fit():
+    for out in run_ranks(_state_rank, 2, timeout=50):
+        assert out["nonzero"] and out["restored"] and out["copied"]
+        reduction, count, shape, missing = out["errors"]
+        assert "state['reduction']" in reduction, reduction
+        assert "state['residuals'] has" in count, count
+        assert "state['residuals'][0]" in shape, shape
+        assert "'residuals'" in missing, missing
+        assert out["untouched"]  # a refused load copies nothing
+
+
 def _error_rank(rank: int, world_size: int) -> dict:
     """Error of each mode's averaged gradient vs an fp64 average of the same (bf16-representable) gradients."""
     gen = torch.Generator().manual_seed(rank)

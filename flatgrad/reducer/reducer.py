@@ -97,7 +97,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -530,6 +530,37 @@ class BucketReducer:
         if self._in_step:
             raise RuntimeError("deliver() in the middle of a micro-step: call finish() first")
         self._shards.deliver_all(self._buckets)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the reducer carries from step to step, for checkpoints: the error-feedback residuals.
+
+        ``{"reduction": the mode's description, "residuals": per bucket the residual (a live reference, as
+        ``nn.Module.state_dict`` gives) or None}``. Residuals are this rank's own; save one per rank.
+        """
+        return {"reduction": self.mode.describe(), "residuals": [b.residual for b in self._buckets]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``'s residuals (copied into the reducer's own); raises naming what does not fit."""
+        if not isinstance(state, Mapping) or "residuals" not in state:
+            raise ValueError("state must be a BucketReducer.state_dict() (a mapping with 'residuals')")
+        if tuple(state.get("reduction", ())) != tuple(self.mode.describe()):
+            raise ValueError(
+                f"state['reduction'] is {state.get('reduction')!r}, this reducer runs {self.mode.describe()!r}"
+            )
+        residuals = list(state["residuals"])
+        if len(residuals) != len(self._buckets):
+            raise ValueError(f"state['residuals'] has {len(residuals)} entries, this reducer has {len(self._buckets)} buckets")
+        for b, saved in zip(self._buckets, residuals):
+            mine = b.residual
+            if (saved is None) != (mine is None) or (
+                saved is not None and (not isinstance(saved, torch.Tensor) or saved.shape != mine.shape or saved.dtype != mine.dtype)
+            ):
+                got = None if not isinstance(saved, torch.Tensor) else f"{tuple(saved.shape)} {saved.dtype}"
+                want = None if mine is None else f"{tuple(mine.shape)} {mine.dtype}"
+                raise ValueError(f"state['residuals'][{b.id}] is {got}, bucket {b.id} holds {want}")
+        for b, saved in zip(self._buckets, residuals):
+            if saved is not None:
+                b.residual.copy_(saved)
 
     @property
     def stats_available(self) -> bool:

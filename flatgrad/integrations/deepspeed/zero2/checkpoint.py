@@ -1,20 +1,73 @@
 """Checkpoints under flatgrad's sub-groups: universal checkpoints are paired with the groups they were split from,
-legacy ones are refused, clearly, when their groups are not flatgrad's."""
+legacy ones are refused, clearly, when their groups are not flatgrad's; error-feedback residuals travel with them.
+
+[Note: residuals in checkpoints]
+With ``error_feedback`` each rank's reducers hold the quantization error of its
+last send (see [Note: reduction modes]); it is part of training state, like the
+optimizer's moments. The optimizer's ``state_dict`` (one file per rank in a
+DeepSpeed checkpoint) gets one more key, ``RESIDUALS_KEY``: every reducer's
+``BucketReducer.state_dict()``, only when some bucket has a residual, so other
+checkpoints are byte-for-byte what they were and stock DeepSpeed loads them
+all (it reads its own keys only). Loading an optimizer state (``_load_legacy_
+checkpoint``) restores them after stock's load:
+* saved under the same reduction: copied back, so the resumed run equals the
+  uninterrupted one bitwise (tested); a residual of another shape raises,
+  naming the bucket, before anything is copied;
+* saved without residuals (stock, another reduction, or none) while this run
+  feeds errors back: they restart at zero, with a warning naming the key;
+* universal checkpoints are per parameter and carry no residuals: they
+  restart at zero, with the same warning.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
 
 from ..config import UnsupportedConfigError
 
-__all__ = ["Zero2Checkpoints"]
+__all__ = ["RESIDUALS_KEY", "Zero2Checkpoints"]
+
+RESIDUALS_KEY = "flatgrad_reducers"  # the optimizer state_dict's key: see [Note: residuals in checkpoints]
 
 
 class Zero2Checkpoints:
-    """The checkpoint loaders of ``Zero2Reduction``."""
+    """The checkpoint savers and loaders of ``Zero2Reduction``."""
+
+    def state_dict(self) -> dict:
+        """Wraps the optimizer's ``state_dict``: stock's, plus the reducers' residuals where there are any."""
+        sd = self._stock_state_dict()
+        states = [r.state_dict() for r in self.reducers]
+        if any(t is not None for state in states for t in state["residuals"]):
+            sd[RESIDUALS_KEY] = states
+        return sd
+
+    def _restore_residuals(self, saved: Any, source: str) -> None:
+        """Put saved residuals back, or restart them at zero with a warning: see [Note: residuals in checkpoints]."""
+        states = [r.state_dict() for r in self.reducers]
+        if not any(t is not None for state in states for t in state["residuals"]):
+            return
+        if saved is not None and len(saved) == len(states) and all(
+            tuple(s.get("reduction", ())) == tuple(mine["reduction"]) for s, mine in zip(saved, states)
+        ):
+            for i, (r, s) in enumerate(zip(self.reducers, saved)):
+                try:
+                    r.load_state_dict(s)
+                except ValueError as exc:
+                    raise ValueError(f"flatgrad: the checkpoint's '{RESIDUALS_KEY}'[{i}] does not fit: {exc}") from exc
+            return
+        for state in states:
+            for t in state["residuals"]:
+                if t is not None:
+                    t.zero_()
+        why = "has none" if saved is None else "has them for another reduction or another bucket count"
+        warnings.warn(
+            f"flatgrad: the {source} {why} ('{RESIDUALS_KEY}'); the error-feedback residuals restart at zero",
+            stacklevel=3,
+        )
 
     def load_universal(self, lp_groups_name: str, checkpoint_dir: str) -> None:
         """Replaces ``load_hp_checkpoint_state_from_checkpoint_dir`` (universal checkpoints).
@@ -83,6 +136,7 @@ class Zero2Checkpoints:
                     group[key] = value
         if self.arenas is not None:
             self.arenas.invalidate()
+        self._restore_residuals(None, "universal checkpoint")
 
     def load_legacy(
         self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = False
@@ -112,7 +166,10 @@ class Zero2Checkpoints:
                     "with 'checkpoint.load_universal'"
                 )
         try:
-            return self._stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+            result = self._stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
         finally:
             if self.arenas is not None:
                 self.arenas.invalidate()
+        if load_optimizer_states:
+            self._restore_residuals(None if mine is None else mine.get(RESIDUALS_KEY), "checkpoint")
+        return result

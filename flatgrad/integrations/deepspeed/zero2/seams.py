@@ -30,6 +30,7 @@ SEAMS = (
     "setup_buckets",
     "load_hp_checkpoint_state_from_checkpoint_dir",
     "_load_legacy_checkpoint",
+    "state_dict",
     "round_robin_bit16_padding",
     "scaled_global_norm",
     "has_overflow",
@@ -49,6 +50,8 @@ def bind(reduction: Zero2Reduction) -> None:
     o = self.optimizer
     self._stock_load_legacy = o._load_legacy_checkpoint
     o._load_legacy_checkpoint = self.load_legacy
+    self._stock_state_dict = o.state_dict
+    o.state_dict = self.state_dict
     self._stock_step = o.step
     o.step = self.step
     o.reduce_independent_p_g_buckets_and_remove_grads = self.grad_ready
