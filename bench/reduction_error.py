@@ -43,6 +43,9 @@ MODES = {
     "hier_int8": {"comm_dtype": torch.bfloat16, "reduction": "hier_int8"},
     "hier_fp8": {"comm_dtype": torch.bfloat16, "reduction": "hier_fp8"},
     "hier_exact": {"comm_dtype": torch.bfloat16, "reduction": "hier_exact"},
+    "qgz_int8": {"comm_dtype": torch.bfloat16, "reduction": "qgz_int8"},
+    "qgz_int8_fp32": {"comm_dtype": torch.float32, "reduction": "qgz_int8"},  # the wire quantized from an fp32 pack
+    "qgz_fp8": {"comm_dtype": torch.bfloat16, "reduction": "qgz_fp8"},
 }
 
 
