@@ -80,8 +80,8 @@ for kernel in '^pack_kernel<' '^unpack_kernel<' '^stats_finish_kernel$'; do
   echo "$KERNELS" | grep -q "$kernel" || { echo "no ${kernel//[\^<$]/} in the cubin"; exit 1; }
 done
 WIRE=$("$CUOBJDUMP" --dump-elf-symbols "$SO" | grep -o '_Z[A-Za-z0-9_]*' | c++filt \
-  | grep -Eo '(dequantize_sum_kernel|quantize_kernel|sum_kernel)<[^(]*>|pack_quantize_kernel' | sort -u)
-for kernel in '^sum_kernel<' '^quantize_kernel<' '^dequantize_sum_kernel<' '^pack_quantize_kernel$'; do
+  | grep -Eo '(dequantize_sum_kernel|quantize_kernel|sum_kernel)<[^(]*>|pack_quantize_kernel|requantize_kernel' | sort -u)
+for kernel in '^sum_kernel<' '^quantize_kernel<' '^dequantize_sum_kernel<' '^pack_quantize_kernel$' '^requantize_kernel$'; do
   echo "$WIRE" | grep -q "$kernel" || { echo "no ${kernel//[\^<]/} (wire kernels) in the cubin"; exit 1; }
 done
 echo "wire kernels: $(echo "$WIRE" | wc -l) instances"
@@ -97,7 +97,7 @@ import flatgrad._C  # noqa: F401  (registers torch.ops.flatgrad)
 
 has = torch._C._dispatch_has_kernel_for_dispatch_key
 ops = ("pack", "unpack", "_pack_table", "_unpack_table", "wire_sum", "wire_quantize", "wire_dequantize_sum",
-       "_pack_quantize_table")
+       "_pack_quantize_table", "wire_requantize")
 for op in ops:
     print(" ", getattr(torch.ops.flatgrad, op).default._schema)
 missing = [f"flatgrad::{op} {key}" for op in ops for key in ("CUDA", "CPU") if not has(f"flatgrad::{op}", key)]

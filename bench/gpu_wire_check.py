@@ -8,7 +8,8 @@ every backend given (default ``cuda`` and ``triton``):
 * ``int8`` / ``fp8``: ``quantize`` (with and without error feedback), the fused
   ``PackQuantizePlan`` (mixed dtypes, a missing tensor, a scale), and
   ``dequantize_sum`` (accumulate, stats), each on finite gradients and on
-  gradients with NaN and inf in some blocks.
+  gradients with NaN and inf in some blocks; ``requantize`` (qgZ's fused step
+  between its stages, with and without error feedback) of those wires.
 
 Codes, scales, residuals and outputs must equal the reference's bitwise (every
 NaN counted as one, as in ``tests/test_wire.py``); stats agree as the tests'
@@ -126,6 +127,24 @@ def run(device: torch.device, backends: list[str], quick: bool) -> dict:
                             label = f"{kind} {src} feedback={feedback} nonfinite={nonfinite}"
                             check(f"quantize {label}", torch.equal(v0, v1) and _same(s0, s1) and _same(r0, r1))
                             check(f"dequantize_sum {label}", _same(o0, o1) and _stats_agree(st0, st1))
+                        # W received segments of 3 * out_s elements requantized as 3 segments of out_s: the
+                        # output blocks straddle the input ones (out_s is no multiple of the block).
+                        segments, out_s = 3, s // 3
+                        part = segments * out_s
+                        w_in = torch.empty(world * wire.segment_bytes(part, block), dtype=torch.uint8, device=device)
+                        wire.quantize(packed[: world * part], world, block, kind, w_in, backend="torch")
+                        for feedback in (False, True):
+                            got = []
+                            for name in ("torch", backend):
+                                w = torch.full((segments * wire.segment_bytes(out_s, block),), 0xAB, dtype=torch.uint8,
+                                               device=device)  # fmt: skip
+                                r = torch.full((segments * out_s,), 1e-3, device=device) if feedback else None
+                                wire.requantize(w_in, world, block, kind, w, segments, out_s, r, backend=name)
+                                values, scales = wire_views(w, segments, out_s, block, kind)
+                                got.append((values.view(torch.uint8).clone(), scales.clone(), r))
+                            (v0, s0, r0), (v1, s1, r1) = got
+                            label = f"{kind} {src} feedback={feedback} nonfinite={nonfinite}"
+                            check(f"requantize {label}", torch.equal(v0, v1) and _same(s0, s1) and _same(r0, r1))
                     numels = [world * s // 3, 17, 0, world * s - world * s // 3 - 81]
                     layout = Layout.chunked(numels, world, align=16)
                     grads = [_gradients(n, d, device, 4 + i, nonfinite) if n else None

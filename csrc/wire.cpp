@@ -3,6 +3,8 @@
 // wire_sum:            out (=|+=) scale * sum_w float(recv[w])                 (mode "exact")
 // wire_quantize:       wire <- blockwise int8/fp8 of packed (+ residual)      (modes "int8", "fp8")
 // wire_dequantize_sum: out (=|+=) scale * sum_w float(q_w) * scale_w         (modes "int8", "fp8")
+// wire_requantize:     wire_out <- blockwise int8/fp8 of sum_l float(q_l) * scale_l (+ residual)
+//                      (between the stages of "qgz_int8", "qgz_fp8"; [Note: requantize])
 //
 // Both unpacks optionally return the stats [sum_sq, nonfinite_count] (fp32) of
 // the values written, computed in the same pass as the regular unpack's
@@ -37,6 +39,7 @@
 #endif
 
 #include "flatgrad/wire.h"
+#include "flatgrad/wire_checks.h"
 #include "flatgrad/wire_cpu.h"
 
 namespace flatgrad {
@@ -296,6 +299,12 @@ void wire_quantize_cpu(const at::Tensor& packed, int64_t world_size, int64_t blo
   });
 }
 
+// wire::quantize_values, compiled for AVX2 too (as quantize_block above).
+FLATGRAD_WIRE_CLONES void quantize_values(float* x, float* res, int64_t n, int64_t kind, uint8_t* values,
+                                          float* scale_out) {
+  wire::quantize_values(x, res, n, kind, values, scale_out);
+}
+
 template <typename out_t>
 at::Tensor dequantize_sum_typed(const uint8_t* in, int64_t world_size, int64_t s, int64_t block, int64_t kind,
                                 out_t* dst, float fscale, bool accumulate, bool stats, const at::Tensor& like) {
@@ -336,6 +345,46 @@ at::Tensor wire_dequantize_sum_cpu(const at::Tensor& wire_buf, int64_t world_siz
   return result;
 }
 
+// The fused dequantize + fp32 sum + quantize (see [Note: requantize] in flatgrad/kernels/wire_reference.py):
+// parallel over the output blocks, as wire_quantize. Output block (n, j) covers the elements [e0, e0 + len) of
+// the (virtual) fp32 partial of segments * S elements, which may straddle two input blocks (of the input
+// segments of segments * S elements): each piece is dequantized with its own input block's scale, the sources
+// added in order 0..L-1 into an L1-resident accumulator, which is then quantized as wire_quantize does.
+void wire_requantize_cpu(const at::Tensor& wire_in, int64_t sources, int64_t block, int64_t kind,
+                         const at::Tensor& wire_out, int64_t segments, int64_t shard_numel,
+                         const std::optional<at::Tensor>& residual) {
+  constexpr const char* op = "flatgrad::wire_requantize";
+  check_common(wire_in, "wire_in");
+  check_common(wire_out, "wire_out");
+  if (residual.has_value()) check_common(*residual, "residual");
+  const auto [s, part, seg_in, seg_out, nb] =
+      wire::check_requantize(wire_in, sources, block, kind, wire_out, segments, shard_numel, residual, op);
+  float* res = residual.has_value() ? residual->mutable_data_ptr<float>() : nullptr;
+  const uint8_t* in = wire_in.const_data_ptr<uint8_t>();
+  uint8_t* out = wire_out.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, segments * nb, std::max<int64_t>(1, kGrain / block), [&](int64_t begin, int64_t end) {
+    float acc[4096];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / nb, j = i % nb;
+      const int64_t first = j * block, len = std::min(block, s - first);
+      const int64_t e0 = n * s + first, e1 = e0 + len;
+      for (int64_t l = 0; l < sources; ++l) {
+        const uint8_t* segment = in + l * seg_in;
+        for (int64_t a = e0; a < e1;) {  // at most two pieces: len <= block
+          const int64_t jin = a / block, b = std::min(e1, (jin + 1) * block);
+          float sc;
+          std::memcpy(&sc, segment + round16(part) + 4 * jin, sizeof(float));
+          dequantize_add(segment + a, sc, acc + (a - e0), b - a, kind, l == 0);
+          a = b;
+        }
+      }
+      uint8_t* segment = out + n * seg_out;
+      quantize_values(acc, res == nullptr ? nullptr : res + e0, len, kind, segment + first,
+                      reinterpret_cast<float*>(segment + round16(s)) + j);
+    }
+  });
+}
+
 }  // namespace
 }  // namespace flatgrad
 
@@ -345,10 +394,13 @@ TORCH_LIBRARY_FRAGMENT(flatgrad, m) {
   m.def("wire_quantize(Tensor packed, int world_size, int block, int kind, Tensor(a!) wire, Tensor(b!)? residual) -> ()");
   m.def("wire_dequantize_sum(Tensor wire, int world_size, int block, int kind, Tensor(a!) out, float scale, "
         "bool accumulate, bool stats) -> Tensor");
+  m.def("wire_requantize(Tensor wire_in, int sources, int block, int kind, Tensor(a!) wire_out, int segments, "
+        "int shard_numel, Tensor(b!)? residual) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flatgrad, CPU, m) {
   m.impl("wire_sum", &flatgrad::wire_sum_cpu);
   m.impl("wire_quantize", &flatgrad::wire_quantize_cpu);
   m.impl("wire_dequantize_sum", &flatgrad::wire_dequantize_sum_cpu);
+  m.impl("wire_requantize", &flatgrad::wire_requantize_cpu);
 }

@@ -277,6 +277,19 @@ def test_nonfinite_input_gives_nonfinite_output(backend, kind):
         (lambda: wire.quantize(torch.zeros(8), 2, 32, "int8", torch.zeros(9, dtype=torch.uint8)), "bytes"),
         (lambda: wire.sum_sources(torch.zeros(8), 2, torch.zeros(3)), "recv"),
         (lambda: wire.dequantize_sum(torch.zeros(999), 2, 32, "int8", torch.zeros(3)), "wire"),
+        (lambda: _requantize_call(wire_in=_bytes(10)), "wire_in"),
+        (lambda: _requantize_call(wire_in=_bytes(999).view(torch.int8)), "wire_in"),
+        (lambda: _requantize_call(wire_in=_bytes(1000).view(2, 500)), "wire_in"),
+        (lambda: _requantize_call(wire_out=_bytes(10)), "wire_out"),
+        (lambda: _requantize_call(wire_out=torch.zeros(999)), "wire_out"),
+        (lambda: _requantize_call(residual=torch.zeros(7)), "residual"),
+        (lambda: _requantize_call(residual=torch.zeros(3 * 20, dtype=torch.float64)), "residual"),
+        (lambda: _requantize_call(sources=0), "sources"),
+        (lambda: _requantize_call(segments=True), "segments"),
+        (lambda: _requantize_call(shard_numel=-1), "shard_numel"),
+        (lambda: _requantize_call(block=48), "block"),
+        (lambda: _requantize_call(kind="int4"), "kind"),
+        (lambda: _requantize_call(wire_out="wire"), "wire_out"),
     ],
 )
 def test_bad_input_names_the_argument(call, message):
@@ -304,6 +317,8 @@ def test_compiled_ops_have_fakes():
         table, runs = torch.empty(3, 2, dtype=torch.int64), torch.empty(4, 5, dtype=torch.int64)
         wire_buf = torch.empty(200, dtype=torch.uint8)
         torch.ops.flatgrad._pack_quantize_table(table, runs, 8, 2, 32, 0, 1.0, wire_buf, None)
+        wire_in = torch.empty(400, dtype=torch.uint8)
+        torch.ops.flatgrad.wire_requantize(wire_in, 2, 32, 0, wire_buf, 2, 4, torch.empty(8))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,6 +499,117 @@ def test_reference_nonfinite_blocks_dequantize_to_nan(kind):
 
 
 # ---------------------------------------------------------------------------------------------
+# The fused requantize ([Note: requantize] in wire_reference.py)
+
+
+def _bytes(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.uint8)
+
+
+def _requantize_call(**changes) -> None:
+    """A valid ``wire.requantize`` (2 sources of 3 * 20 elements into 3 segments of 20), with ``changes``."""
+    args = {
+        "wire_in": _bytes(2 * wire.segment_bytes(60, 32)), "sources": 2, "block": 32, "kind": "int8",
+        "wire_out": _bytes(3 * wire.segment_bytes(20, 32)), "segments": 3, "shard_numel": 20, "residual": None,
+    }  # fmt: skip
+    args.update(changes)
+    wire.requantize(**args, backend="cpu")
+
+
+def _received_wire(sources: int, part: int, block: int, kind: str, large: bool, seed: int) -> torch.Tensor:
+    """``sources`` wire segments of ``part`` elements, as a node all_to_all delivers them: quantized gradients
+    with all-zero blocks and, when ``large``, values near fp32's top, some of whose sums over the sources overflow."""
+    x = _gradients(sources, part, torch.float32, seed).view(sources, part)
+    if large:
+        at = torch.arange(part)
+        big = (at // 45) % 7 == 3
+        x[:, big] *= 2.0**120
+        x[:, big & (at % 45 == 0)] = 3e38  # two sources of it sum to inf
+    w = _wire_buffer(sources, part, block)
+    wire_reference.quantize(x.reshape(-1), sources, block, kind, w, None)
+    return w
+
+
+def _composed(wire_in, sources, block, kind, segments, s, residual):
+    """What the two kernels the requantize replaces write: ``dequantize_sum`` into fp32, then ``quantize``."""
+    partial = torch.empty(segments * s)
+    wire_reference.dequantize_sum(wire_in, sources, block, kind, partial, 1.0, False)
+    w = _wire_buffer(segments, s, block)
+    r = None if residual is None else residual.clone()
+    wire_reference.quantize(partial, segments, block, kind, w, r)
+    values, scales = _meaningful(w, segments, s, block, kind)
+    return values, _bits(scales), _bits(r)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+@settings(max_examples=25, deadline=None)
+@given(
+    sources=st.integers(1, 4),
+    segments=st.integers(1, 4),
+    shard_numel=st.one_of(st.integers(1, 40), st.integers(1, 700), st.sampled_from([32, 64, 255, 256, 257, 512])),
+    block=st.sampled_from([32, 64, 256]),
+    kind=st.sampled_from(wire.KINDS),
+    feedback=st.booleans(),
+    large=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_requantize_matches_dequantize_sum_then_quantize(
+    backend, sources, segments, shard_numel, block, kind, feedback, large, seed
+):
+    """Bitwise the reference composition: codes, scales and residual, whatever the blocks' alignment."""
+    s, part = shard_numel, segments * shard_numel
+    wire_in = _received_wire(sources, part, block, kind, large, seed)
+    residual = torch.randn(part, generator=torch.Generator().manual_seed(seed + 1)) * 1e-3 if feedback else None
+    v0, s0, r0 = _composed(wire_in, sources, block, kind, segments, s, residual)
+    w = _wire_buffer(segments, s, block)
+    r = None if residual is None else residual.clone()
+    wire.requantize(wire_in, sources, block, kind, w, segments, s, r, backend=backend)
+    v1, s1 = _meaningful(w, segments, s, block, kind)
+    assert torch.equal(s0, _bits(s1)), "scales differ"
+    assert torch.equal(v0, v1), f"values differ at {(v0 != v1).nonzero()[:5].tolist()}"
+    if feedback:
+        assert torch.equal(r0, _bits(r)), f"residuals differ at {(r0 != _bits(r)).nonzero()[:5].tolist()}"
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+def test_requantize_leaves_the_wires_padding_and_inputs_alone(backend):
+    """It writes the N segments' values and scales only, and reads wire_in without changing it."""
+    sources, segments, s, block = 3, 2, 40, 32
+    wire_in = _received_wire(sources, segments * s, block, "fp8", False, 11)
+    before = wire_in.clone()
+    w = torch.full((segments * wire.segment_bytes(s, block) + 64,), 0xAB, dtype=torch.uint8)
+    wire.requantize(wire_in, sources, block, "fp8", w, segments, s, backend=backend)
+    assert torch.equal(wire_in, before)
+    assert (w[segments * wire.segment_bytes(s, block) :] == 0xAB).all()
+    seg = w[: segments * wire.segment_bytes(s, block)].view(segments, -1)
+    assert (seg[:, s : wire_reference.round16(s)] == 0xAB).all()  # the padding after the values
+
+
+def test_requantize_refuses_overlapping_wires():
+    wire_in = _bytes(2 * wire.segment_bytes(60, 32) + 3 * wire.segment_bytes(20, 32))
+    with pytest.raises(ValueError, match="overlap"):
+        _requantize_call(wire_in=wire_in, wire_out=wire_in[16:])
+
+
+def test_qgz_pool_holds_no_fp32_partial():
+    """The qgZ mode's pool is the comm-dtype input and four wires; its residual stays numel + N * S fp32."""
+    from types import SimpleNamespace
+
+    from flatgrad.reducer.modes import QuantizedTwoStage
+    from flatgrad.reducer.topology import Topology
+
+    topology = Topology(4, 2, 4, 0, 0, (0, 1, 2, 3), (0, 4), tuple(range(8)))
+    mode = QuantizedTwoStage(topology, "qgz_int8", 64, True)
+    layout = Layout.flat([1000], 8)
+    slots = mode.pool_slots([SimpleNamespace(layout=layout, comm_dtype=torch.bfloat16)], 8)
+    assert [(purpose, dtype) for purpose, _, dtype in slots] == [
+        ("input", torch.bfloat16), ("wire_send", torch.uint8), ("wire_recv", torch.uint8), ("rail_send", torch.uint8),
+        ("rail_recv", torch.uint8),
+    ]  # fmt: skip
+    assert mode.residual(layout, torch.device("cpu")).numel() == layout.numel + 2 * layout.shard_numel
+
+
+# ---------------------------------------------------------------------------------------------
 # 64-bit offsets in the Triton wire kernels, through the interpreter, without a large allocation
 
 
@@ -546,8 +672,32 @@ def test_triton_dequantize_sum_offsets_past_2_gib(kind):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("kind", wire.KINDS)
+def test_triton_requantize_offsets_past_2_gib(kind):
+    from flatgrad.kernels import wire_triton
+
+    sources, s, block = 3, 2**30, 4096  # one output segment: the partial is s elements
+    seg_in = wire.segment_bytes(s, block)  # fits in i32; source 2 starts past 2 GiB
+    wire_in = _lazy(_WRAP + sources * seg_in, torch.uint8)[_WRAP:]
+    one = 1 if kind == "int8" else 0x38  # fp8 e4m3fn 1.0
+    for w in range(sources):
+        wire_in[w * seg_in : w * seg_in + block] = one
+        wire_in[w * seg_in + wire_reference.round16(s) :][:4].view(torch.float32)[0] = float(w + 1)
+    seg = wire.segment_bytes(s, block)
+    wire_out = _lazy(seg, torch.uint8)
+    wire_triton._requantize_kernel[(1,)](
+        wire_in.view(torch.int8), wire_in.view(torch.float32), wire_out.view(torch.float32),
+        wire_out.view(torch.int8), wire_out.view(torch.float32), sources, seg_in, wire_reference.round16(s), s, seg,
+        wire_reference.round16(s), wire.nblocks(s, block), KIND=wire_triton._KINDS[kind], HAS_RES=False, BLOCK=block,
+    )  # fmt: skip
+    values, scales = wire_reference.wire_views(wire_out, 1, s, block, kind)
+    assert scales[0, 0].item() == torch.tensor(6.0).div(wire.QMAX[kind]).item(), "a source offset past 2 GiB wrapped"
+    assert values[0, :block].to(torch.float32).tolist() == [wire.QMAX[kind]] * block  # 6 / (6 / Q) is Q
+
+
+@needs_interpreter
 def test_triton_wire_launches_enter_the_tensors_device(monkeypatch):
-    """Triton launches on the current CUDA device: each of the four wire launches must enter the tensors' one."""
+    """Triton launches on the current CUDA device: each of the wire launches must enter the tensors' one."""
     import contextlib
 
     from flatgrad.kernels import wire_triton
@@ -570,6 +720,9 @@ def test_triton_wire_launches_enter_the_tensors_device(monkeypatch):
             [packed], Layout.flat([world_size * s], world_size), 1.0, block, "int8", w, None
         ),
         "dequantize_sum": lambda: kernels.dequantize_sum(w, world_size, block, "int8", torch.empty(s), 1.0, False),
+        "requantize": lambda: kernels.requantize(
+            _wire_buffer(world_size, world_size * s, block), world_size, block, "int8", w, world_size, s, None
+        ),
     }
     for name, launch in launches.items():
         entered.clear()
@@ -592,9 +745,15 @@ def test_misaligned_wire_is_refused_by_name(backend):
     for name, call in calls.items():
         with pytest.raises(ValueError, match=r"wire must start at a 4-byte aligned address"):
             call()
+    wire_in, wire_out = _wire_buffer(world_size, world_size * s, block), _wire_buffer(world_size, s, block)
+    for key, (a, b) in (("wire_in", (wire_in[1:], wire_out)), ("wire_out", (wire_in, misaligned))):
+        with pytest.raises(ValueError, match=rf"{key} must start at a 4-byte aligned address"):
+            wire.requantize(a, world_size, block, "int8", b, world_size, s, backend=backend)
     if backend == "cpu":  # the compiled ops check it too, for callers that skip the wrappers
         ops = torch.ops.flatgrad
         with pytest.raises(RuntimeError, match=r"wire_quantize: wire must start at a 4-byte aligned"):
             ops.wire_quantize(packed, world_size, block, 0, misaligned, None)
         with pytest.raises(RuntimeError, match=r"wire_dequantize_sum: wire must start at a 4-byte aligned"):
             ops.wire_dequantize_sum(misaligned, world_size, block, 0, torch.empty(s), 1.0, False, False)
+        with pytest.raises(RuntimeError, match=r"wire_requantize: wire_in and wire_out must start at 4-byte aligned"):
+            ops.wire_requantize(wire_in[1:], world_size, block, 0, wire_out, world_size, s, None)

@@ -30,6 +30,7 @@
 #include "flatgrad/cuda_stats.cuh"
 #include "flatgrad/runs.h"
 #include "flatgrad/wire.h"
+#include "flatgrad/wire_checks.h"
 
 namespace flatgrad {
 namespace cuda {
@@ -196,6 +197,12 @@ __global__ void __launch_bounds__(kThreads)
                  reinterpret_cast<float*>(segment + round16(s)) + j, partial);
 }
 
+// fp32 of the wire code b: int8, or fp8 e4m3fn bits (exact; 0x7F / 0xFF are NaN).
+__device__ __forceinline__ float dequantize_code(uint8_t b, int64_t kind) {
+  return kind == wire::kInt8 ? static_cast<float>(static_cast<int8_t>(b))
+                             : static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
+}
+
 // One CUDA block dequantizes and sums one quantization block of the W segments.
 template <typename out_t, bool kStats>
 __global__ void __launch_bounds__(kThreads)
@@ -209,16 +216,45 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t w = 0; w < world_size; ++w) {
       const uint8_t* segment = wire_buf + w * seg;
       const float sc = reinterpret_cast<const float*>(segment + round16(s))[j];
-      const uint8_t b = segment[first + k];
-      const float q = kind == wire::kInt8 ? static_cast<float>(static_cast<int8_t>(b))
-                                          : static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
-      const float v = __fmul_rn(q, sc);
+      const float v = __fmul_rn(dequantize_code(segment[first + k], kind), sc);
       acc = w == 0 ? v : __fadd_rn(acc, v);
     }
     const float written = finish(acc, out, first + k, scale, accumulate);
     if constexpr (kStats) stats.add(written);
   }
   if constexpr (kStats) stats.store(partials);
+}
+
+// The fused dequantize + fp32 sum + quantize (see [Note: requantize] in flatgrad/kernels/wire_reference.py):
+// one CUDA block per output (segment n, block j), covering the elements [e0, e0 + n) of the (virtual) fp32
+// partial of segments * S elements. Each element is summed over the L sources in order, each with the scale of
+// its own input block (an output block may straddle two), into shared memory; the quantize then reads it, as
+// pack_quantize_kernel's does.
+__global__ void __launch_bounds__(kThreads)
+    requantize_kernel(const uint8_t* __restrict__ wire_in, float* __restrict__ res, uint8_t* __restrict__ wire_out,
+                      int64_t s, int64_t block, int64_t nb, int64_t part, int64_t seg_in, int64_t seg_out,
+                      int64_t sources, int64_t kind) {
+  __shared__ float xs[4096];
+  __shared__ float partial[kThreads];
+  const int64_t w = blockIdx.x / nb, j = blockIdx.x % nb;
+  const int64_t first = j * block, n = min(block, s - first);
+  const int64_t e0 = w * s + first;
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+    const int64_t e = e0 + k, scale_at = round16(part) + 4 * (e / block);
+    float acc = 0.0f;
+    for (int64_t l = 0; l < sources; ++l) {
+      const uint8_t* segment = wire_in + l * seg_in;
+      const float sc = *reinterpret_cast<const float*>(segment + scale_at);
+      const float v = __fmul_rn(dequantize_code(segment[e], kind), sc);
+      acc = l == 0 ? v : __fadd_rn(acc, v);
+    }
+    xs[k] = acc;
+  }
+  __syncthreads();
+  uint8_t* segment = wire_out + w * seg_out;
+  const float* x = xs;
+  quantize_block([x](int64_t k) { return x[k]; }, n, res == nullptr ? nullptr : res + e0, kind, segment + first,
+                 reinterpret_cast<float*>(segment + round16(s)) + j, partial);
 }
 
 // The stats of `blocks` partials (or an empty tensor): the partials' buffer and the result.
@@ -388,6 +424,27 @@ at::Tensor wire_dequantize_sum_cuda(const at::Tensor& wire_buf, int64_t world_si
   return buffers.result;
 }
 
+void wire_requantize_cuda(const at::Tensor& wire_in, int64_t sources, int64_t block, int64_t kind,
+                          const at::Tensor& wire_out, int64_t segments, int64_t shard_numel,
+                          const std::optional<at::Tensor>& residual) {
+  constexpr const char* op = "flatgrad::wire_requantize";
+  check_cuda(wire_in, "wire_in");
+  check_cuda(wire_out, "wire_out");
+  if (residual.has_value()) check_cuda(*residual, "residual");
+  const at::Device device = wire_out.device();
+  const auto [s, part, seg_in, seg_out, nb] =
+      wire::check_requantize(wire_in, sources, block, kind, wire_out, segments, shard_numel, residual, op);
+  float* res = residual.has_value() ? residual->mutable_data_ptr<float>() : nullptr;
+  if (s == 0) return;
+  TORCH_CHECK(segments * nb <= INT32_MAX, op, ": too many blocks");
+  const c10::cuda::CUDAGuard guard(device);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  requantize_kernel<<<static_cast<unsigned>(segments * nb), kThreads, 0, stream>>>(
+      wire_in.const_data_ptr<uint8_t>(), res, wire_out.mutable_data_ptr<uint8_t>(), s, block, nb, part, seg_in,
+      seg_out, sources, kind);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace flatgrad
@@ -397,4 +454,5 @@ TORCH_LIBRARY_IMPL(flatgrad, CUDA, m) {
   m.impl("wire_quantize", &flatgrad::cuda::wire_quantize_cuda);
   m.impl("wire_dequantize_sum", &flatgrad::cuda::wire_dequantize_sum_cuda);
   m.impl("_pack_quantize_table", &flatgrad::cuda::pack_quantize_table_cuda);
+  m.impl("wire_requantize", &flatgrad::cuda::wire_requantize_cuda);
 }

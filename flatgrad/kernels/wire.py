@@ -14,6 +14,11 @@ quantized wire, with no packed buffer (see [Note: pack-quantize] in
 ``wire_reference.py``). It is a plan as ``PackPlan`` is (see [Note: plans] in
 ``_plan.py``): same checks, same tensor table, same cached run table.
 
+``requantize`` is ``dequantize_sum`` and ``quantize`` fused, the step between the
+two quantized stages of ``qgz_int8`` / ``qgz_fp8``: received wire segments in, a
+wire of their fp32 sum out, with no fp32 partial buffer (see [Note: requantize]
+in ``wire_reference.py``).
+
 ``WireKernels`` (from ``wire_kernels(name)``) skips the checks; the reducer
 validates its buffers once at construction and calls it on the hot path.
 
@@ -40,7 +45,8 @@ from .wire_reference import KINDS, QMAX, nblocks, segment_bytes
 
 __all__ = [
     "KINDS", "QMAX", "MIN_BLOCK", "MAX_BLOCK", "PackQuantizePlan", "WireKernels", "check_block", "check_kind",
-    "dequantize_sum", "nblocks", "pack_quantize", "quantize", "segment_bytes", "sum_sources", "wire_kernels",
+    "dequantize_sum", "nblocks", "pack_quantize", "quantize", "requantize", "segment_bytes", "sum_sources",
+    "wire_kernels",
 ]  # fmt: skip
 
 MIN_BLOCK, MAX_BLOCK = 32, 4096
@@ -79,6 +85,11 @@ class WireKernels(Protocol):
         accumulate: bool, stats: bool = False,
     ) -> torch.Tensor | None: ...  # fmt: skip
 
+    def requantize(
+        self, wire_in: torch.Tensor, sources: int, block: int, kind: str, wire_out: torch.Tensor, segments: int,
+        shard_numel: int, residual: torch.Tensor | None,
+    ) -> None: ...  # fmt: skip
+
     # torch and triton only: the compiled backends run PackQuantizePlan's table op instead.
     def pack_quantize(
         self, tensors: Sequence[MaybeTensor], layout: Layout, scale: float, block: int, kind: str, wire: torch.Tensor,
@@ -92,6 +103,7 @@ class _Reference:
     quantize = staticmethod(wire_reference.quantize)
     pack_quantize = staticmethod(wire_reference.pack_quantize)
     dequantize_sum = staticmethod(wire_reference.dequantize_sum)
+    requantize = staticmethod(wire_reference.requantize)
 
 
 class _Compiled:
@@ -117,6 +129,14 @@ class _Compiled:
             wire, world_size, block, _KIND_CODES[kind], out, scale, accumulate, stats
         )
         return result if stats else None
+
+    def requantize(
+        self, wire_in: torch.Tensor, sources: int, block: int, kind: str, wire_out: torch.Tensor, segments: int,
+        shard_numel: int, residual: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        torch.ops.flatgrad.wire_requantize(
+            wire_in, sources, block, _KIND_CODES[kind], wire_out, segments, shard_numel, residual
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,6 +172,13 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:  # fmt: skip
         return _stats_like(out, stats)
 
+    @torch.library.register_fake("flatgrad::wire_requantize")
+    def _requantize_fake(
+        wire_in: torch.Tensor, sources: int, block: int, kind: int, wire_out: torch.Tensor, segments: int,
+        shard_numel: int, residual: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        return None
+
 
 @functools.lru_cache(maxsize=None)
 def wire_kernels(name: str) -> WireKernels:
@@ -167,6 +194,11 @@ def wire_kernels(name: str) -> WireKernels:
         if not hasattr(torch.ops.flatgrad, "_pack_quantize_table"):
             raise RuntimeError(
                 "flatgrad._C lacks wire kernels (built before csrc/pack_quantize.cpp existed): rebuild it"
+            )
+        if not hasattr(torch.ops.flatgrad, "wire_requantize"):
+            raise RuntimeError(
+                "flatgrad._C lacks flatgrad::wire_requantize (an older build of csrc/wire.cpp): rebuild it "
+                "(python setup.py build_ext --inplace)"
             )
         _register_fakes()
         return _Compiled(name)
@@ -223,11 +255,11 @@ def sum_sources(
     return _stats(result)
 
 
-def _check_wire_aligned(wire: torch.Tensor) -> None:
+def _check_wire_aligned(wire: torch.Tensor, key: str = "wire") -> None:
     """The fp32 scales are accessed in place, 16-byte multiples from the wire's start (see [Note: wire format])."""
     if wire.data_ptr() % 4:
         raise ValueError(
-            f"wire must start at a 4-byte aligned address (its fp32 scales are accessed in place), got "
+            f"{key} must start at a 4-byte aligned address (its fp32 scales are accessed in place), got "
             f"{wire.data_ptr():#x}; slice it at a multiple of 4 bytes"
         )
 
@@ -274,6 +306,46 @@ def dequantize_sum(
         wire, world_size, block, kind, out, float(scale), bool(accumulate), bool(return_stats)
     )
     return _stats(result)
+
+
+def requantize(
+    wire_in: torch.Tensor, sources: int, block: int, kind: str, wire_out: torch.Tensor, segments: int,
+    shard_numel: int, residual: torch.Tensor | None = None, backend: str | None = None,
+) -> None:  # fmt: skip
+    """Quantize the fp32 sum of ``wire_in``'s ``sources`` segments into ``segments`` segments of ``wire_out``.
+
+    ``wire_in`` holds ``sources`` wire segments of ``segments * shard_numel`` elements,
+    ``wire_out`` receives ``segments`` of ``shard_numel``; ``residual`` (error feedback) is
+    fp32 of ``segments * shard_numel``. Writes exactly what ``dequantize_sum`` into an fp32
+    partial and ``quantize`` of it write, without the partial (see [Note: requantize]).
+    """
+    for key, value in (("sources", sources), ("segments", segments)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be an int >= 1, got {value!r}")
+    if isinstance(shard_numel, bool) or not isinstance(shard_numel, int) or shard_numel < 0:
+        raise ValueError(f"shard_numel must be an int >= 0, got {shard_numel!r}")
+    check_block(block)
+    check_kind(kind)
+    part = segments * shard_numel
+    _check_flat(wire_in, "wire_in", (torch.uint8,))
+    _check_flat(wire_out, "wire_out", (torch.uint8,))
+    for key, t, count, numel in (("wire_in", wire_in, sources, part), ("wire_out", wire_out, segments, shard_numel)):
+        _check_wire_aligned(t, key)
+        if t.numel() < count * segment_bytes(numel, block) or t.device != wire_out.device:
+            raise ValueError(
+                f"{key} needs {count * segment_bytes(numel, block)} bytes on wire_out's device, got {t.numel()} on "
+                f"{t.device}"
+            )
+    in_end = wire_in.data_ptr() + sources * segment_bytes(part, block)
+    out_end = wire_out.data_ptr() + segments * segment_bytes(shard_numel, block)
+    if wire_in.data_ptr() < out_end and wire_out.data_ptr() < in_end:
+        raise ValueError("wire_in and wire_out overlap: requantize reads one while it writes the other")
+    if residual is not None:
+        _check_flat(residual, "residual", (torch.float32,))
+        if residual.numel() != part or residual.device != wire_out.device:
+            raise ValueError(f"residual must be fp32, segments * shard_numel ({part}) elements, on wire_out's device")
+    kernels = _backend(backend, wire_out.device)
+    kernels.requantize(wire_in, sources, block, kind, wire_out, segments, shard_numel, residual)
 
 
 class PackQuantizePlan(_Plan):

@@ -4,7 +4,7 @@ The wire kernels serve the reduction modes that replace the reduce_scatter by
 one ``all_to_all`` (see docs/design.md, "Reduction modes"): the packed buffer holds
 ``W`` chunks of ``S`` elements, chunk ``r`` for rank ``r``; after the
 all_to_all, source ``w`` of the receive buffer is what rank ``w`` sent to this
-rank. Four operations:
+rank. Five operations:
 
 * ``sum_sources``: ``exact`` mode's unpack; the sources are comm-dtype chunks.
 * ``quantize``: writes the wire format from a packed buffer (optionally adding
@@ -13,6 +13,9 @@ rank. Four operations:
   fused: the wire is written from the per-parameter gradients directly (see
   [Note: pack-quantize]).
 * ``dequantize_sum``: the int8/fp8 modes' unpack.
+* ``requantize``: ``dequantize_sum`` and ``quantize`` fused, between the two
+  stages of ``qgz_int8`` / ``qgz_fp8``: received wire segments in, a wire of
+  their fp32 sum out (see [Note: requantize]).
 
 [Note: wire format]
 A quantized wire buffer is ``uint8``, ``W`` segments of ``segment_bytes(S, block)``
@@ -44,6 +47,21 @@ and quantize that: the values were rounded twice, to the comm dtype and then
 to the wire. The fused path quantizes the fp32 values, one rounding fewer
 (more accurate, intended), and so on purpose not bitwise what the unfused
 bf16 pack + quantize gave; nor does it need the comm-dtype buffer.
+
+[Note: requantize]
+``requantize(wire_in, sources, block, kind, wire_out, segments, shard_numel, residual)``
+reads ``L = sources`` wire segments of ``N * S`` elements each (``N = segments``,
+``S = shard_numel``) and writes ``N`` wire segments of ``S`` elements: exactly what
+``dequantize_sum(wire_in, L, block, kind, partial, 1.0, False)`` into an fp32
+``partial`` of ``N * S`` elements followed by ``quantize(partial, N, block, kind,
+wire_out, residual)`` writes, with no partial buffer. Per element ``e`` of the
+partial: ``x = v_0 + v_1 + ... + v_{L-1}`` in source order, ``v_l = float32(q_l[e]) *
+scale_l[e // block]`` (each element's scale is its own input block's); then ``x +
+residual[e]`` with error feedback, and the quantize of the output block holding it
+(segment ``e // S``, block ``(e % S) // block``), the residual becoming ``x -
+float32(q) * scale``. Input and output blocks are aligned only when ``block``
+divides ``S`` (or ``N = 1``): in general an output block straddles two input
+blocks. The residual (``N * S`` fp32) is in the partial's order, as ``quantize``'s.
 
 [Note: wire arithmetic contract]
 All arithmetic is fp32, round-to-nearest-even, no fused multiply-add.
@@ -237,3 +255,23 @@ def dequantize_sum(
     for w in range(1, world_size):
         acc = acc + values[w].to(torch.float32) * expanded[w]
     return _finish(acc, out, scale, accumulate, stats)
+
+
+@torch.no_grad()
+def requantize(
+    wire_in: torch.Tensor,
+    sources: int,
+    block: int,
+    kind: str,
+    wire_out: torch.Tensor,
+    segments: int,
+    shard_numel: int,
+    residual: torch.Tensor | None,
+) -> None:
+    """Quantize the fp32 sum of ``wire_in``'s segments into ``segments`` segments of ``wire_out``.
+
+    The composition ``dequantize_sum`` + ``quantize`` that the fused kernels must match; see [Note: requantize].
+    """
+    partial = torch.empty(segments * shard_numel, dtype=torch.float32, device=wire_in.device)
+    dequantize_sum(wire_in, sources, block, kind, partial, 1.0, False)
+    quantize(partial, segments, block, kind, wire_out, residual)

@@ -18,7 +18,9 @@ Triton launches on the current CUDA device, whatever the tensors'.
 ``_pack_quantize_kernel`` (see [Note: pack-quantize] in ``wire_reference.py``)
 reads the gradients through the pack run table and ``triton_backend``'s pointer
 tables (see [Note: triton pointer tables]) and shares the quantize itself
-(``_quantize_store``) with ``_quantize_kernel``.
+(``_quantize_store``) with ``_quantize_kernel``, as does ``_requantize_kernel`` (see
+[Note: requantize] there), which sums the received segments' dequantized values
+(``_dequantize_code``, as ``_dequantize_sum_kernel``) into the block it quantizes.
 
 With stats, each program stores the fp32 sum of squares and the non-finite count
 of the values it wrote, and torch sums those partials in program order, as the
@@ -99,6 +101,14 @@ def _quantize_code(y, KIND: tl.constexpr):
         code = tl.where(nan, 0x7F, _fp8_encode(tl.minimum(tl.maximum(y, -448.0), 448.0)))
         dq = _fp8_decode(code)
     return code, dq
+
+
+@_jit
+def _dequantize_code(raw, KIND: tl.constexpr):
+    """fp32 of the wire codes ``raw`` (int32 of the int8 loads): int8, or fp8 e4m3fn bits."""
+    if KIND == 0:
+        return raw.to(tl.float32)
+    return _fp8_decode(raw & 0xFF)
 
 
 @_jit
@@ -247,14 +257,41 @@ def _dequantize_sum_kernel(
     segment = tl.full([], 0, tl.int64)  # w * seg in i64: an i32 seg would overflow once the wire passes 2 GiB
     for w in range(0, world_size):
         raw = tl.load(values_ptr + segment + offs, mask=mask, other=0).to(tl.int32)
-        if KIND == 0:
-            q = raw.to(tl.float32)
-        else:
-            q = _fp8_decode(raw & 0xFF)
-        v = q * tl.load(scales_ptr + (segment + scales_at) // 4 + j)
+        v = _dequantize_code(raw, KIND) * tl.load(scales_ptr + (segment + scales_at) // 4 + j)
         acc = tl.where(w == 0, v, acc + v)
         segment += seg
     _finish(acc, out_ptr, offs, mask, scale, sum_sq_ptr, nonfinite_ptr, ACCUMULATE, STATS)
+
+
+@_jit
+def _requantize_kernel(
+    in_values_ptr, in_scales_ptr, res_ptr, values_ptr, scales_ptr, sources, in_seg, in_scales_at, shard_numel, seg,
+    scales_at, nblocks, KIND: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program sums, in source order, and quantizes one block of one output segment. See [Note: requantize].
+
+    Its elements ``elem`` of the partial (``segments * shard_numel``) may straddle two input blocks:
+    each lane loads the scale of its own, ``elem // BLOCK``.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    w = pid // nblocks
+    j = pid % nblocks
+    in_segment = j * BLOCK + tl.arange(0, BLOCK)
+    mask = in_segment < shard_numel
+    elem = w * shard_numel + in_segment
+    in_block = elem // BLOCK
+    x = tl.zeros([BLOCK], dtype=tl.float32)
+    segment = tl.full([], 0, tl.int64)  # l * in_seg in i64: an i32 in_seg would overflow once the wire passes 2 GiB
+    for l in range(0, sources):
+        raw = tl.load(in_values_ptr + segment + elem, mask=mask, other=0).to(tl.int32)
+        sc = tl.load(in_scales_ptr + (segment + in_scales_at) // 4 + in_block, mask=mask, other=0.0)
+        v = _dequantize_code(raw, KIND) * sc
+        x = tl.where(l == 0, v, x + v)
+        segment += in_seg
+    if HAS_RES:
+        x = x + tl.load(res_ptr + elem, mask=mask, other=0.0)
+    x = tl.where(mask, x, 0.0)
+    _quantize_store(x, mask, res_ptr, values_ptr, scales_ptr, elem, in_segment, w, j, seg, scales_at, KIND, HAS_RES)
 
 
 def _partials(programs: int, stats: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,6 +381,25 @@ class Backend:
                 )  # fmt: skip
         return _reduce(sum_sq, nonfinite, programs, stats)
 
+    def requantize(
+        self, wire_in: torch.Tensor, sources: int, block: int, kind: str, wire_out: torch.Tensor, segments: int,
+        shard_numel: int, residual: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        s, part = shard_numel, segments * shard_numel
+        nb = nblocks(s, block)
+        if nb == 0:
+            return
+        wire_in = wire_in[: sources * segment_bytes(part, block)]
+        wire_out = wire_out[: segments * segment_bytes(s, block)]
+        with _on_device(wire_out.device):
+            _requantize_kernel[(segments * nb,)](
+                wire_in.view(torch.int8), wire_in.view(torch.float32),
+                residual if residual is not None else wire_out.view(torch.float32), wire_out.view(torch.int8),
+                wire_out.view(torch.float32), sources, segment_bytes(part, block), round16(part), s,
+                segment_bytes(s, block), round16(s), nb, KIND=_KINDS[kind], HAS_RES=residual is not None, BLOCK=block,
+                **_OPTIONS,
+            )  # fmt: skip
+
 
 def _flags(accumulate: bool, stats: bool) -> str:
     return "".join(f",{flag}" for flag, on in (("accumulate", accumulate), ("stats", stats)) if on)
@@ -365,6 +421,11 @@ def _launch_sizes(block: int) -> dict[str, dict[str, dict[str, int]]]:
             "_dequantize_sum_kernel": {
                 "shard_numel": s, "seg": seg, "scales_at": round16(s), "world_size": world_size,
             },  # fmt: skip
+            "_requantize_kernel": {  # world_size sources of world_size * s elements, into world_size segments
+                "sources": world_size, "in_seg": segment_bytes(world_size * s, block),
+                "in_scales_at": round16(world_size * s), "shard_numel": s, "seg": seg, "scales_at": round16(s),
+                "nblocks": nb,
+            },  # fmt: skip
         }
     return sizes
 
@@ -374,7 +435,8 @@ def kernel_specs(block: int = 256) -> list:
 
     Each kernel comes with its sizes declared i64 (what launches once a size passes 2^31), then
     as launched with i32 sizes for every dtype combination (``[...|i32]``), and with the sizes
-    Triton makes constants (``[...|ones]``, bf16 only); see ``KernelSpec.launch``.
+    Triton makes constants (``[...|ones]``, bf16 only where a kernel has dtype variants); see
+    ``KernelSpec.launch``.
     """
     declared = _declared_specs(block)
     sizes = _launch_sizes(block)
@@ -382,7 +444,8 @@ def kernel_specs(block: int = 256) -> list:
     for spec in declared:
         kernel = spec.fn.__name__
         for label, by_kernel in sizes.items():
-            if label == "ones" and "bf16" not in spec.name:
+            dtyped = any(dtype in spec.name for dtype in ("fp32", "bf16", "fp16", "mixed"))
+            if label == "ones" and dtyped and "bf16" not in spec.name:
                 continue
             launched.append(spec._replace(name=f"{spec.name[:-1]}|{label}]", launch=by_kernel[kernel]))
     return declared + launched
@@ -437,4 +500,14 @@ def _declared_specs(block: int) -> list:
                 constexprs = {"KIND": code, "ACCUMULATE": accumulate, "STATS": stats, "BLOCK": block}
                 name = f"_dequantize_sum_kernel[{kind}->{out}{_flags(accumulate, stats)}]"
                 specs.append(KernelSpec(name, _dequantize_sum_kernel, signature, constexprs, dict(_OPTIONS)))
+        for has_res in (False, True):
+            signature = {
+                "in_values_ptr": "*i8", "in_scales_ptr": "*fp32", "res_ptr": "*fp32", "values_ptr": "*i8",
+                "scales_ptr": "*fp32", "sources": "i32", "in_seg": "i64", "in_scales_at": "i64", "shard_numel": "i64",
+                "seg": "i64", "scales_at": "i64", "nblocks": "i64", "KIND": "constexpr", "HAS_RES": "constexpr",
+                "BLOCK": "constexpr",
+            }  # fmt: skip
+            constexprs = {"KIND": code, "HAS_RES": has_res, "BLOCK": block}
+            name = f"_requantize_kernel[{kind}{',residual' if has_res else ''}]"
+            specs.append(KernelSpec(name, _requantize_kernel, signature, constexprs, dict(_OPTIONS)))
     return specs

@@ -59,14 +59,15 @@ mode it runs; adding a mode is one new class here plus its kernels.
 * ``"qgz_int8"`` / ``"qgz_fp8"`` (``QuantizedTwoStage``, ZeRO++ qgZ's schedule):
   the pack of ``2d_reduce_scatter`` into the comm dtype, one quantize of it
   as L wire segments (one per node peer, ``N * S`` elements each), one
-  all_to_all in the node, then between the stages ``wire.dequantize_sum`` of
-  the L received segments into an fp32 node partial and one quantize of that
-  as N segments, one all_to_all over the rail, and ``wire.dequantize_sum`` of
-  the N received segments as the unpack. Two kernels between the stages, with
-  an fp32 partial of ``N * S`` elements between them, not one. With
-  ``error_feedback`` both quantizes carry a residual (``W * S + N * S`` fp32
-  elements per bucket). The wire is quantized from the comm-dtype pack: with a
-  bf16 ``comm_dtype`` the values round to bf16 first (use fp32 to avoid it).
+  all_to_all in the node, then between the stages one fused kernel,
+  ``wire.requantize``: it dequantizes the L received segments, sums them in
+  fp32 in local-rank order and quantizes the sum as N segments (see
+  [Note: requantize] in ``kernels/wire_reference.py``), with no fp32 node
+  partial in memory; one all_to_all over the rail, and ``wire.dequantize_sum``
+  of the N received segments as the unpack. With ``error_feedback`` both
+  quantizes carry a residual (``W * S + N * S`` fp32 elements per bucket).
+  The wire is quantized from the comm-dtype pack: with a bf16 ``comm_dtype``
+  the values round to bf16 first (use fp32 to avoid it).
 
 On a one-rank group nothing is sent, so every mode takes the reduce_scatter
 path (a copy through the comm dtype): a quantized wire would only add its
@@ -529,32 +530,30 @@ class QuantizedTwoStage(TwoStageReduceScatter):
     def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
         return ReductionMode.averaging(self, average, world_size, dtype, group, device)  # fp32 sums: 1/W in the unpack
 
-    def _sizes(self, layout: Layout) -> tuple[int, int, int]:
-        """(node partial elements, node wire bytes, rail wire bytes) of one bucket."""
+    def _sizes(self, layout: Layout) -> tuple[int, int]:
+        """(node wire bytes, rail wire bytes) of one bucket."""
         t, s = self.topology, layout.shard_numel
-        part = t.num_nodes * s
-        return part, t.local_size * wire.segment_bytes(part, self.block), t.num_nodes * wire.segment_bytes(s, self.block)
+        node = t.local_size * wire.segment_bytes(t.num_nodes * s, self.block)
+        return node, t.num_nodes * wire.segment_bytes(s, self.block)
 
     def residual(self, layout, device) -> torch.Tensor | None:
         if not self.error_feedback:
             return None
-        return torch.zeros(layout.numel + self._sizes(layout)[0], dtype=torch.float32, device=device)
+        part = self.topology.num_nodes * layout.shard_numel  # the node quantize's (numel), then the requantize's
+        return torch.zeros(layout.numel + part, dtype=torch.float32, device=device)
 
     def pool_slots(self, buckets, world_size) -> list[PoolSlot]:
         sizes = [self._sizes(b.layout) for b in buckets]
-        node, rail = max(x[1] for x in sizes), max(x[2] for x in sizes)
+        node, rail = max(x[0] for x in sizes), max(x[1] for x in sizes)
         return [
             *super().pool_slots(buckets, world_size), ("wire_send", node, torch.uint8), ("wire_recv", node, torch.uint8),
-            ("partial", max(x[0] for x in sizes), torch.float32), ("rail_send", rail, torch.uint8),
-            ("rail_recv", rail, torch.uint8),
+            ("rail_send", rail, torch.uint8), ("rail_recv", rail, torch.uint8),
         ]  # fmt: skip
 
     def bind(self, b, purpose, buffer, rank, world_size) -> None:
-        part, node, rail = self._sizes(b.layout)
+        node, rail = self._sizes(b.layout)
         if purpose == "input":
             b.input = buffer.narrow(0, 0, b.layout.numel)
-        elif purpose == "partial":
-            b.stage = buffer.narrow(0, 0, part)
         elif purpose in ("wire_send", "wire_recv"):
             setattr(b, purpose, buffer.narrow(0, 0, node))
         else:
@@ -571,9 +570,9 @@ class QuantizedTwoStage(TwoStageReduceScatter):
         first = comm.all_to_all(b.wire_recv, b.wire_send, group=self.node_group, async_op=True, collectives=collectives)
 
         def rail() -> Any:
-            k.dequantize_sum(b.wire_recv, t.local_size, self.block, self.kind, b.stage, 1.0, False, False)
-            second_residual = None if b.residual is None else b.residual.narrow(0, numel, b.stage.numel())
-            k.quantize(b.stage, t.num_nodes, self.block, self.kind, b.rail_send, second_residual)
+            s = b.layout.shard_numel
+            second_residual = None if b.residual is None else b.residual.narrow(0, numel, t.num_nodes * s)
+            k.requantize(b.wire_recv, t.local_size, self.block, self.kind, b.rail_send, t.num_nodes, s, second_residual)
             return comm.all_to_all(b.rail_recv, b.rail_send, group=self.rail_group, async_op=True, collectives=collectives)
 
         return StagedWork(first, rail)

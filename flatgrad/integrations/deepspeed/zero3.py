@@ -200,8 +200,8 @@ class Zero3Reducer:
         self._comm_dtype = config.torch_comm_dtype()
         self._method = "tensor" if config.reduce_scatter_method == "auto" else config.reduce_scatter_method
         self._collectives = deepspeed_collectives()
-        # The mode of every bucket (its divided twin where stock's divide must be kept): see [Note: ZeRO-3
-        # two-stage reduction]. A two-stage mode comes connected from install(), its groups made once.
+        # The mode of every bucket (its divided twin where stock's divide must be kept), see
+        # [Note: ZeRO-3 two-stage reduction]. A two-stage mode comes connected from install(), its groups made once.
         self.mode: ReductionMode = mode if mode is not None else ReduceScatter()
         self._divided = DividedPack(self.mode)
         self._outs: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
