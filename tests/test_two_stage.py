@@ -278,28 +278,36 @@ def _as_nodes(rank: int, node_size: int) -> None:
     os.environ.update(LOCAL_WORLD_SIZE=str(node_size), LOCAL_RANK=str(rank % node_size))
 
 
-def _zero2_rank(rank: int, world_size: int, root: str) -> dict:
+def _train_save_resume(cfg: dict, batches: list, path: str) -> tuple:
+    """Train 8 micro-steps from seed 0, save, train the rest; a second engine (other initial weights) loads the
+    checkpoint. Returns (engine, losses before the save, losses after it, the resumed engine, not trained yet)."""
     import deepspeed.comm as ds_dist
-    from _ds import MLP, ds_config, make_batches, params_of, train
+    from _ds import MLP, train
 
     import flatgrad.deepspeed as fds
+
+    torch.manual_seed(0)
+    engine, *_ = fds.initialize(model=MLP(), config=cfg)
+    losses = train(engine, batches[:8])
+    engine.save_checkpoint(path, tag="t")
+    continued = train(engine, batches[8:])
+    ds_dist.barrier()
+    torch.manual_seed(1)  # other initial weights: all must come from the checkpoint
+    resumed, *_ = fds.initialize(model=MLP(), config=cfg)
+    resumed.load_checkpoint(path, tag="t")
+    return engine, losses, continued, resumed
+
+
+def _zero2_rank(rank: int, world_size: int, root: str) -> dict:
+    from _ds import ds_config, make_batches, params_of, train
 
     _as_nodes(rank, 2)
     batches = make_batches(rank, 16, 2, 13, 5)
     out: dict = {}
     for reduction in ("reduce_scatter", "2d_reduce_scatter", "hier_int8", "int8"):
         cfg = ds_config(2, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": "fp32"})
-        torch.manual_seed(0)
-        engine, *_ = fds.initialize(model=MLP(), config=cfg)
+        engine, losses, continued, resumed = _train_save_resume(cfg, batches, os.path.join(root, reduction))
         modes = {type(r.mode).__name__ for r in engine.optimizer._flatgrad.reducers}
-        losses = train(engine, batches[:8])
-        path = os.path.join(root, reduction)
-        engine.save_checkpoint(path, tag="t")
-        continued = train(engine, batches[8:])
-        ds_dist.barrier()
-        torch.manual_seed(1)  # other initial weights: all must come from the checkpoint
-        resumed, *_ = fds.initialize(model=MLP(), config=cfg)
-        resumed.load_checkpoint(path, tag="t")
         out[reduction] = {
             "modes": modes, "losses": losses + continued, "params": params_of(engine),
             "resumed_losses": train(resumed, batches[8:]), "resumed_params": params_of(resumed),
@@ -327,15 +335,20 @@ def test_deepspeed_zero2_two_stage_on_two_nodes_of_two_matches_flat_and_checkpoi
 
 
 def _zero3_state(engine, rank: int) -> list[torch.Tensor]:
-    """This rank's fp32 master partitions, whole (ZeRO-3 keeps no full parameters between steps)."""
-    return [flat.detach().clone() for flat in engine.optimizer.fp32_partitioned_groups_flat]
+    """This rank's fp32 master partitions, their real data only: the padding after a parameter's last element is
+    uninitialized (ZeRO-3 keeps no full parameters between steps)."""
+    opt, out = engine.optimizer, []
+    for group, flat in zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat):
+        offset = 0
+        for p in group:
+            c = p.partition_numel()
+            out.append(flat.narrow(0, offset, max(0, min(c, p.ds_numel - rank * c))).detach().clone())
+            offset += c
+    return out
 
 
 def _zero3_rank(rank: int, world_size: int, root: str) -> dict:
-    import deepspeed.comm as ds_dist
-    from _ds import MLP, ds_config, make_batches, train
-
-    import flatgrad.deepspeed as fds
+    from _ds import ds_config, make_batches, train
 
     _as_nodes(rank, 2)
     batches = make_batches(rank, 16, 2, 13, 5)
@@ -344,19 +357,10 @@ def _zero3_rank(rank: int, world_size: int, root: str) -> dict:
             "flat_bf16": ("reduce_scatter", "bf16"), "2d_bf16": ("2d_reduce_scatter", "bf16")}  # fmt: skip
     for name, (reduction, comm_dtype) in runs.items():
         cfg = ds_config(3, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": comm_dtype})
-        torch.manual_seed(0)
-        engine, *_ = fds.initialize(model=MLP(), config=cfg)
+        engine, losses, continued, resumed = _train_save_resume(cfg, batches, os.path.join(root, name))
         reducer = engine.optimizer.flatgrad_zero3
-        losses = train(engine, batches[:8])
         modes = {(type(c.bucket.mode).__name__, c.bucket.mode.name) for c in reducer.compositions.values()}
         inner = {type(getattr(c.bucket.mode, "inner", c.bucket.mode)).__name__ for c in reducer.compositions.values()}
-        path = os.path.join(root, name)
-        engine.save_checkpoint(path, tag="t")
-        continued = train(engine, batches[8:])
-        ds_dist.barrier()
-        torch.manual_seed(1)  # other initial weights: all must come from the checkpoint
-        resumed, *_ = fds.initialize(model=MLP(), config=cfg)
-        resumed.load_checkpoint(path, tag="t")
         out[name] = {
             "modes": modes, "inner": inner, "line": reducer.describe(), "losses": losses + continued,
             "master": _zero3_state(engine, rank), "resumed_losses": train(resumed, batches[8:]),
