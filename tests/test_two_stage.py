@@ -6,6 +6,7 @@ and the node and rail groups are real process groups over gloo.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -688,15 +689,55 @@ def test_qgz_bitwise_equal_reference(world_size):
 # ------------------------------------------------------------------ a strided subgroup (MoE's expert data parallelism)
 
 
+@contextlib.contextmanager
+def _new_groups():
+    """Record the ranks of every ``torch.distributed.new_group`` this process makes (the real call runs)."""
+    made: list[tuple[int, ...]] = []
+    real = dist.new_group
+
+    def recording(ranks=None, *args, **kwargs):
+        made.append(tuple(ranks) if ranks is not None else ())
+        return real(ranks, *args, **kwargs)
+
+    dist.new_group = recording
+    try:
+        yield made
+    finally:
+        dist.new_group = real
+
+
+def _world_groups_rank(rank: int, world_size: int) -> list:
+    """4 ranks as 2 nodes x 2: a reducer of every two-stage mode, each making its node and rail groups."""
+    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))
+    with _new_groups() as made:
+        for reduction in ("2d_reduce_scatter", "hier_int8", "hier_exact", "qgz_int8"):
+            params = [nn.Parameter(torch.zeros(n)) for n in NUMELS]
+            BucketReducer([params[:2], params[2:]], reduction=reduction, register_hooks=False)
+    return made
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_makes_the_same_groups_in_the_same_order():
+    """Every rank enters every node and rail group's creation, in one order: what NCCL's communicator split
+    needs where DeepSpeed binds the default group to a device (see [Note: two-stage reductions])."""
+    made = run_ranks(_world_groups_rank, 4, timeout=100)
+    expected = [(0, 1), (2, 3), (0, 2), (1, 3)] * 4
+    for rank, calls in enumerate(made):
+        assert calls == expected, (rank, calls)
+
+
 def _subgroup_rank(rank: int, world_size: int) -> dict:
     """8 ranks on nodes of 4; the even and the odd ranks each reduce over their own group (2 nodes x 2 members)."""
     os.environ.update(LOCAL_WORLD_SIZE="4", LOCAL_RANK=str(rank % 4))
     groups = [dist.new_group([0, 2, 4, 6]), dist.new_group([1, 3, 5, 7])]  # every rank makes both, in one order
     group = groups[rank % 2]
-    out = {}
+    out = {"made": []}
     for reduction in ("reduce_scatter", "2d_reduce_scatter"):
         params = [nn.Parameter(torch.zeros(n)) for n in NUMELS]
-        reducer = BucketReducer([params[:2], params[2:]], process_group=group, reduction=reduction, register_hooks=False)
+        with _new_groups() as made:
+            reducer = BucketReducer([params[:2], params[2:]], process_group=group, reduction=reduction,
+                                    register_hooks=False)  # fmt: skip
+        out["made"] += made
         gen = torch.Generator().manual_seed(rank)
         for p in params:  # small integers: every sum is exact, whatever its order
             p.grad = torch.randint(-8, 9, (p.numel(),), generator=gen).float()
@@ -712,6 +753,9 @@ def test_2d_reduce_scatter_over_a_strided_subgroup_places_its_members_by_node():
     for rank, out in enumerate(run_ranks(_subgroup_rank, 8, timeout=100)):
         (flat, _), (twod, topology) = out["reduce_scatter"], out["2d_reduce_scatter"]
         assert (topology.num_nodes, topology.local_size) == (2, 2), rank
+        # Every member of a parent makes all of its node groups, then all of its rail groups.
+        parent = list(range(rank % 2, 8, 2))
+        assert out["made"] == [tuple(parent[:2]), tuple(parent[2:]), (parent[0], parent[2]), (parent[1], parent[3])]
         assert topology.node_ranks == tuple(r for r in range(rank % 2, 8, 2) if r // 4 == rank // 4), rank
         assert topology.rail_ranks == (rank % 4, rank % 4 + 4), rank
         for b, (a, c) in enumerate(zip(twod, flat)):

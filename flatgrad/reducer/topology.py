@@ -30,9 +30,19 @@ only ``(N - 1) / W`` of the bucket across a node boundary.
 * One node, or one rank per node: one of the stages is empty and the
   two-stage mode is the flat one. The reducer then runs the flat mode and
   warns (see ``make_mode``).
-* The groups are made once per reducer, after the agreement, with
-  ``use_local_synchronization`` (only their members take part), node groups
-  first, then rail groups, so that every rank makes them in the same order.
+* The groups are made once per reducer, after the agreement. Every member of
+  the parent group makes *every* node group of the parent, in node order, then
+  every rail group, in local order, and keeps its own two: every member makes
+  the same ``new_group`` calls with the same ranks in the same order. That is
+  torch's contract for ``new_group``, and it is what NCCL needs where the
+  default group is bound to a device (DeepSpeed binds one on CUDA): there each
+  ``new_group`` is an ``ncclCommSplit`` of the parent communicator that every
+  rank enters in the same order, members or not, and a group's name counts the
+  groups its rank made before. ``use_local_synchronization`` does not make
+  creation local in that case; it only limits the closing barrier to the
+  members, so that a subgroup parent (an expert-data-parallel group) needs no
+  call from the ranks outside it. Parents of one kind have one shape (the
+  expert groups of one MoE layer), so their members make equally many groups.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ class Topology(NamedTuple):
         node_ranks: global ranks of this rank's node group, ascending.
         rail_ranks: global ranks of this rank's rail group, ascending (node order).
         positions: per group rank, where its segment lies in the packed buffer.
+        nodes: global ranks of every node group of the parent, in node order (``place_ranks`` fills it).
     """
 
     node_size: int
@@ -67,17 +78,28 @@ class Topology(NamedTuple):
     node_ranks: tuple[int, ...]
     rail_ranks: tuple[int, ...]
     positions: tuple[int, ...]
+    nodes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def two_stage(self) -> bool:
         """Whether both stages have more than one rank (else the two-stage mode is the flat one)."""
         return self.num_nodes > 1 and self.local_size > 1
 
+    def group_ranks(self) -> list[tuple[int, ...]]:
+        """Every node group, then every rail group, of the parent: the ``new_group`` calls every member makes."""
+        if not self.nodes:
+            raise ValueError("this Topology lists no node groups: make it with place_ranks or plan_topology")
+        rails = [tuple(node[l] for node in self.nodes) for l in range(self.local_size)]
+        return list(self.nodes) + rails
+
     def groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """Make this rank's (node group, rail group); every member of the parent group calls this, in one order."""
-        node = dist.new_group(list(self.node_ranks), use_local_synchronization=True)
-        rail = dist.new_group(list(self.rail_ranks), use_local_synchronization=True)
-        return node, rail
+        """Make every group of ``group_ranks()`` and return this rank's (node group, rail group).
+
+        Every member of the parent group calls this once per mode, in the same order: see
+        [Note: two-stage reductions].
+        """
+        made = {ranks: dist.new_group(list(ranks), use_local_synchronization=True) for ranks in self.group_ranks()}
+        return made[self.node_ranks], made[self.rail_ranks]
 
 
 def default_node_size(world_size: int) -> int:
@@ -135,4 +157,5 @@ def place_ranks(node_size: int, group_ranks: list[int], world_size: int, rank: i
     n, l = index[group_ranks[rank]]
     return Topology(
         node_size, len(order), local_size, n, l, tuple(nodes[order[n]]), tuple(nodes[k][l] for k in order), placed,
+        tuple(tuple(nodes[k]) for k in order),
     )  # fmt: skip
