@@ -23,6 +23,7 @@ from torch import nn
 
 from flatgrad import comm
 from flatgrad.reducer import BucketReducer, LayoutMismatchError, build_buckets
+from flatgrad.reducer.shards import widen_in_place
 from flatgrad.testing.collectives import count_collectives
 from flatgrad.testing.launch import EXITED, run_ranks
 
@@ -1091,3 +1092,26 @@ def test_one_rank_group_sends_nothing_so_every_mode_copies():
     for reduction, (shard, no_wire) in out.items():
         assert torch.equal(shard, plain), reduction
         assert no_wire, reduction
+
+
+@pytest.mark.parametrize("narrow, wide", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                          (torch.bfloat16, torch.float64)])  # fmt: skip
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 7, 8, 31, 1000, 4099])
+def test_widen_in_place_equals_the_cast(narrow: torch.dtype, wide: torch.dtype, n: int) -> None:
+    """A bit16 delivery lands in the head of its fp32 target and is widened there: bitwise the cast."""
+    gen = torch.Generator().manual_seed(n)
+    values = (torch.randn(n, generator=gen) * 1e3).to(narrow)
+    values[::7] = float("inf")
+    values[3::11] = float("nan")
+    target = torch.full((n,), 12345.0, dtype=wide)
+    target.view(torch.uint8)[: n * values.element_size()].copy_(values.view(torch.uint8))
+    widen_in_place(target, narrow)
+    expected = values.to(wide)
+    nan = expected.isnan()
+    assert torch.equal(target.isnan(), nan)  # a NaN's payload bits may differ between cast kernels
+    assert torch.equal(target[~nan].view(torch.uint8), expected[~nan].view(torch.uint8))
+
+
+def test_widen_in_place_refuses_a_target_too_narrow() -> None:
+    with pytest.raises(ValueError, match="twice as wide"):
+        widen_in_place(torch.zeros(4, dtype=torch.bfloat16), torch.bfloat16)

@@ -20,17 +20,27 @@ optimizer reads. Two cases, decided per bucket at construction:
   gradient reaches the optimizer with no copy and no shard is allocated;
 * delivered: otherwise (a GPU rank, whose target is host memory; or bit16
   accumulation into an fp32 target) the window's shard is allocated as usual and,
-  once the last micro-step of the window has unpacked it, one ``copy_`` per bucket
-  moves it into the target (a cast where the dtypes differ, as stock casts its
-  accumulated gradient into the fp32 partition). The owner says which micro-step
-  is the last (``BucketReducer.final_micro_step``); then each bucket is delivered as
-  its unpack completes, so on CUDA the copy runs on the unpack stream while the
-  backward goes on (``non_blocking`` into pinned memory), and the device shard is
-  dropped right after it (``record_stream``-ed there). ``deliver()`` delivers what is
-  left (a window whose last micro-step was not known in advance). After delivery the
-  bucket's shard *is* the target, so ``grad_shards()`` and the stats describe it.
-  A delivery from CUDA into host memory is waited for by ``finish()`` (one event
-  sync per window), because the host reads the target next.
+  once the last micro-step of the window has unpacked it, one copy per bucket
+  moves it into the target. After delivery the bucket's shard *is* the target, so
+  ``grad_shards()`` and the stats describe it.
+
+A delivery from CUDA into host memory never syncs the host inside the backward:
+
+* into a pinned target it is one ``non_blocking`` copy on the unpack stream, made
+  as the bucket's unpack is queued (the owner says which micro-step is the last:
+  ``BucketReducer.final_micro_step``), so it overlaps the rest of the backward;
+* into a pageable target a copy blocks the host, so it waits for ``finish()``,
+  when every collective of the micro-step has been issued;
+* a bit16 shard into an fp32 target is copied as bit16 into the first half of the
+  target's own bytes and widened there on the host once it has landed
+  (``widen_in_place``): no fp32 temporary on the device and no staging buffer.
+  The value is the bit16 sum widened, as stock casts its accumulated gradient.
+
+``finish()`` records one event after the window's host copies (one persistent
+event per stream) and waits for it, because the host reads the targets next.
+``deliver()`` delivers what is left (a window whose last micro-step was not
+announced) on the current stream, which ``finish()`` ordered after every unpack,
+so a write to a shard between ``finish()`` and ``deliver()`` is delivered too.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import torch
 
 from .bucket import Bucket
 
-__all__ = ["ArenaShards", "OwnShards", "ShardStore", "TargetShards", "arena_offsets", "make_store"]
+__all__ = ["ArenaShards", "OwnShards", "ShardStore", "TargetShards", "arena_offsets", "make_store", "widen_in_place"]
 
 
 class ShardStore(abc.ABC):
@@ -109,10 +119,17 @@ class TargetShards(ShardStore):
         self.targets = targets
         self.dtype = dtype
         self.in_place = [t.device == b.device and t.dtype == dtype for t, b in zip(targets, buckets)]
+        # Per bucket, fixed at construction: whether a delivery copies from CUDA into host memory, and
+        # whether that copy can run asynchronously (a pinned target) or must wait for finish().
+        self.to_host = [b.device.type == "cuda" and t.device.type == "cpu" for t, b in zip(targets, buckets)]
+        self.pinned = [host and t.is_pinned() for t, host in zip(targets, self.to_host)]
         self.final = False
         self.copies = 0  # deliveries made (a copy each), counted for benches and tests
         self._delivered = [False] * len(targets)
-        self._host_copies: list[tuple[torch.device, object]] = []  # (device, event) of copies into host memory
+        self._deferred: list[Bucket] = []  # pageable host targets of this window, delivered in finish()
+        self._widen: list[tuple[torch.Tensor, torch.dtype]] = []  # targets holding bit16 bytes to widen
+        self._streams: list = []  # streams with host copies in flight this window
+        self._events: dict = {}  # one persistent event per stream
 
     def ensure(self, b, buckets) -> None:
         if b.shard is not None:
@@ -124,41 +141,57 @@ class TargetShards(ShardStore):
         b.accumulate = False
 
     def unpacked(self, b) -> None:
-        if self.final:
+        if not self.final or self.in_place[b.id]:
+            return
+        if self.to_host[b.id] and not self.pinned[b.id]:
+            self._deferred.append(b)  # a blocking copy: not inside the backward
+        else:
             self.deliver(b)
 
     def deliver(self, b: Bucket) -> None:
-        """Move ``b``'s window shard into its target (one copy; none in place), then make the target its shard."""
+        """Move ``b``'s window shard into its target (one copy; none in place), then make the target its shard.
+
+        Runs on the stream current at the call, which must be ordered after ``b``'s unpack.
+        """
         if self.in_place[b.id] or self._delivered[b.id] or b.shard is None:
             return
         target, shard = self.targets[b.id], b.shard
-        host = shard.device.type == "cuda" and target.device.type == "cpu"
-        target.copy_(shard, non_blocking=host and target.is_pinned())
+        if not self.to_host[b.id]:
+            target.copy_(shard)
+        else:
+            stream = torch.cuda.current_stream(shard.device)
+            into = target
+            if shard.dtype != target.dtype:  # bit16 bytes into the target's head, widened on the host later
+                into = target.view(torch.uint8).narrow(0, 0, shard.numel() * shard.element_size()).view(shard.dtype)
+                self._widen.append((target, shard.dtype))
+            into.copy_(shard, non_blocking=self.pinned[b.id])
+            shard.record_stream(stream)
+            if self.pinned[b.id] and all(s != stream for s in self._streams):
+                self._streams.append(stream)
         self.copies += 1
-        if shard.device.type == "cuda":
-            shard.record_stream(torch.cuda.current_stream(shard.device))
-        if host:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(shard.device))
-            self._host_copies.append((shard.device, event))
         b.shard = target
         self._delivered[b.id] = True
 
     def deliver_all(self, buckets: Sequence[Bucket]) -> None:
-        """Deliver every bucket not delivered yet this window."""
+        """Deliver every bucket not delivered yet this window, on the current stream, and wait for them."""
         for b in buckets:
-            stream = b.unpack_stream
-            if stream is None:
-                self.deliver(b)
-                continue
-            with torch.cuda.stream(stream):
-                self.deliver(b)
+            self.deliver(b)
         self.finish()
 
     def finish(self) -> None:
-        for _, event in self._host_copies:
-            event.synchronize()  # the host reads the target next: see [Note: shard targets]
-        self._host_copies.clear()
+        for b in self._deferred:
+            self.deliver(b)  # the current stream waits for every unpack here (BucketReducer.finish)
+        self._deferred.clear()
+        for stream in self._streams:  # the host reads the targets next: see [Note: shard targets]
+            event = self._events.get(stream)
+            if event is None:
+                event = self._events[stream] = torch.cuda.Event()
+            event.record(stream)
+            event.synchronize()
+        self._streams.clear()
+        for target, dtype in self._widen:
+            widen_in_place(target, dtype)
+        self._widen.clear()
 
     def release(self, buckets) -> None:
         super().release(buckets)
@@ -166,6 +199,32 @@ class TargetShards(ShardStore):
 
     def allocated_bytes(self, buckets, itemsize) -> int:
         return sum(b.layout.shard_numel for b, here in zip(buckets, self.in_place) if not here) * itemsize
+
+
+def widen_in_place(target: torch.Tensor, dtype: torch.dtype) -> None:
+    """Widen the ``target.numel()`` values of ``dtype`` held in the first bytes of ``target`` into ``target`` itself.
+
+    ``target`` is a contiguous 1-D tensor of a wider float dtype whose leading
+    ``numel * dtype.itemsize`` bytes hold the narrow values. Widening runs from the
+    back in runs: a run ``[start, stop)`` with ``start * wide >= stop * narrow`` reads
+    bytes that none of its writes touch, and only bytes that no earlier run has
+    written; the first element is read before it is written. No copy of the narrow
+    values is made.
+    """
+    n = target.numel()
+    if n == 0:
+        return
+    if not target.is_contiguous() or target.dim() != 1 or 2 * torch.empty((), dtype=dtype).element_size() > target.element_size():
+        raise ValueError(f"widen_in_place needs a contiguous 1-D target at least twice as wide as {dtype}, got {target.dtype}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    ratio = target.element_size() // itemsize
+    narrow = target.view(torch.uint8).narrow(0, 0, n * itemsize).view(dtype)
+    stop = n
+    while stop > 1:
+        start = -(-stop // ratio)  # elements [start, stop) write from byte start * wide >= stop * narrow on
+        target.narrow(0, start, stop - start).copy_(narrow.narrow(0, start, stop - start))
+        stop = start
+    target[0] = narrow[0].item()
 
 
 def arena_offsets(order: Sequence[int] | None, layouts: Sequence, devices: Sequence[torch.device]) -> list[int] | None:
