@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from flatgrad import kernels
 from _ds import MLP, count_collectives, ds_config, launch, make_batches
 from test_deepspeed_zero3 import (
     _ZERO3_EXTRA,
@@ -40,7 +41,7 @@ TORCH_ADAM = {"zero_force_ds_cpu_optimizer": False}
 
 
 def _engine(rank: int, world_size: int, flat: bool, *, gas: int, clip: float = 0.0, cpu_adam: bool = False,
-            top: dict | None = None, stage: bool = False, **zero):
+            top: dict | None = None, stage: bool = False, backend: str | None = None, **zero):
     """A ZeRO-3 engine over the seeded MLP: stock ``deepspeed.initialize`` or ``flatgrad.deepspeed.initialize``."""
     import deepspeed
 
@@ -56,7 +57,7 @@ def _engine(rank: int, world_size: int, flat: bool, *, gas: int, clip: float = 0
     cfg.update(top or {})
     initialize = deepspeed.initialize
     if flat:
-        cfg["flatgrad"] = {}
+        cfg["flatgrad"] = {"backend": backend} if backend else {}
         initialize = flatgrad_ds.initialize
     engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
     if flat and stage:
@@ -100,6 +101,8 @@ def _trajectory(rank: int, world_size: int, flat: bool, gas: int, options: dict)
         # Buckets holding data on this rank: the most host transfers one backward may make.
         out["buckets"] = sum(1 for c in reducer.compositions.values() if c.ds_ids)
         out["staged"] = any(buffer is not None for buffer in reducer._staging)
+        plans = [c.bucket for c in reducer.compositions.values() if c.bucket.unpack_plan is not None]
+        out["kernels"] = sorted({(b.pack_plan.backend, b.unpack_plan.backend) for b in plans})
     engine.destroy()
     return out
 
@@ -119,6 +122,7 @@ def _compare(results: list[dict], gas: int, stage: bool = False) -> None:
         assert "CPU optimizer offload served" in flat.pop("describe")
         buckets = flat.pop("buckets")
         assert flat.pop("staged") == stage, f"rank {rank}: the staging buffers were used: {not stage}"
+        flat.pop("kernels")
         transfers, copies = flat.pop("transfers"), flat.pop("fp32_copies")
         assert all(0 < t <= buckets for t in transfers), (rank, transfers, buckets)
         # The boundary's host copies: one per run of partitions, never more than one per parameter.
@@ -153,6 +157,21 @@ def test_offload_bitwise_equal_to_stock_offload(world_size: int, gas: int, clip:
     for r in results:
         assert r["stock"]["optimizer"] == r["flat"]["optimizer"] == "AdamW"
     _compare(results, gas, stage)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_staged_segment_is_unpacked_by_host_kernels_whatever_backend_is_forced() -> None:
+    """``"flatgrad": {"backend": "triton"}`` with the staged transfer: the packs run Triton's kernels on the
+    bucket's device, the host-side unpack of every staged segment takes the host's own (``cpu``), as on a GPU
+    with ``backend: cuda`` or ``triton``, where those cannot run on host tensors; bitwise stock's."""
+    if not kernels.available_backends()["triton"].available:
+        pytest.skip("needs Triton (its interpreter runs the pack on CPU tensors)")
+    options = {**BASE, **_offload(True), "clip": 0.05, "stage": True, "backend": "triton"}
+    results = [_deserialized(r) for r in launch(_stock_vs_flat, 2, 2, options, timeout=280)]
+    for rank, r in enumerate(results):
+        assert r["flat"]["kernels"] == [("triton", kernels.host_backend("triton"))] == [("triton", "cpu")], rank
+    _compare(results, 2, stage=True)
 
 
 @pytest.mark.multiproc

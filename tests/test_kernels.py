@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import flatgrad
 from flatgrad import Layout
 from flatgrad.kernels import BACKENDS, DTYPES, reference
-from flatgrad.kernels._backends import resolve_backend
+from flatgrad.kernels._backends import host_backend, resolve_backend
 
 STATUS = flatgrad.available_backends()
 CANDIDATES = tuple(name for name in BACKENDS if name != "torch")
@@ -677,6 +677,22 @@ def test_flatgrad_backend_env_is_honoured(monkeypatch: pytest.MonkeyPatch) -> No
     if STATUS["cpu"].available:
         monkeypatch.setenv("FLATGRAD_BACKEND", "cpu")
         assert resolve_backend(None, cpu).name == "cpu"
+
+
+def test_host_backend_keeps_a_forced_host_backend_and_replaces_an_accelerator_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host-side part of a call forced onto the accelerator (a staged unpack) takes the host's backend."""
+    monkeypatch.delenv("FLATGRAD_BACKEND", raising=False)
+    host_choice = "cpu" if STATUS["cpu"].available else "torch"
+    for forced, expected in ((None, host_choice), ("cuda", host_choice), ("triton", host_choice), ("torch", "torch")):
+        assert host_backend(forced) == expected, forced
+        assert "cpu" in STATUS[host_backend(forced)].devices
+        resolve_backend(host_backend(forced), torch.device("cpu"))  # runs on host tensors
+    monkeypatch.setenv("FLATGRAD_BACKEND", "cuda")
+    assert host_backend(None) == host_choice
+    monkeypatch.setenv("FLATGRAD_BACKEND", "torch")
+    assert host_backend(None) == "torch" and host_backend("cuda") == host_choice  # backend= wins over the env
+    with pytest.raises(ValueError, match="backend must be one of"):
+        host_backend("fortran")
 
 
 def test_every_backend_reports_its_status() -> None:

@@ -22,12 +22,12 @@ import torch
 
 from ..layout import Layout
 from . import reference
-from ._backends import BACKENDS, BackendStatus, available_backends, resolve_backend
+from ._backends import BACKENDS, BackendStatus, available_backends, host_backend, resolve_backend
 from ._plan import DTYPES, PackPlan, UnpackPlan, check_pack_tensors, check_scale, check_tensor, overlaps
 
 __all__ = [
     "pack", "unpack", "PackPlan", "UnpackPlan", "UnpackStats", "clear_plans", "available_backends", "BackendStatus",
-    "BACKENDS", "DTYPES", "DTYPE_NAMES", "resolve_backend", "reference",
+    "BACKENDS", "DTYPES", "DTYPE_NAMES", "host_backend", "resolve_backend", "reference",
 ]  # fmt: skip
 
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # config and CLI spelling

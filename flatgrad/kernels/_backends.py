@@ -75,3 +75,20 @@ def resolve_backend(backend: str | None, device: torch.device):
         if kind in _status(name).devices:
             return _module(name)
     raise RuntimeError(f"no flatgrad backend runs on {kind} tensors")
+
+
+def host_backend(backend: str | None) -> str:
+    """The backend for the host-side part of a call whose kernels were chosen (or forced) for the accelerator.
+
+    A host tensor cannot take a GPU backend: a forced ``backend`` (or ``FLATGRAD_BACKEND``) is kept
+    where it is a host one (``cpu``, ``torch``), else the host's own choice (``cpu``, then ``torch``).
+    """
+    forced = backend or os.environ.get("FLATGRAD_BACKEND") or None
+    if forced in ("cpu", "torch"):
+        return forced
+    if forced is not None and forced not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {forced!r}")
+    for name in _AUTO["cpu"]:
+        if "cpu" in _status(name).devices:
+            return name
+    raise RuntimeError("no flatgrad backend runs on cpu tensors")

@@ -28,7 +28,7 @@ class Bucket:
     """One bucket's static plan, persistent buffers and per-micro-step state."""
 
     __slots__ = (
-        "id", "params", "layout", "device", "comm_dtype", "op", "method", "backend", "mode", "pack_scale",
+        "id", "params", "layout", "device", "comm_dtype", "op", "method", "backend", "unpack_backend", "mode", "pack_scale",
         "unpack_scale", "pack_plan", "unpack_plan", "wire_kernels", "residual", "pieces", "previous",
         "input", "input_chunks", "output", "stage", "stage_chunks", "stage_recv", "recv", "wire_send", "wire_recv", "rail_send", "rail_recv",
         "shard", "accumulate", "stats", "unpacked", "in_flight", "pack_stream", "unpack_stream",
@@ -50,6 +50,7 @@ class Bucket:
         prescale: float,
         postscale: float,
         streams: tuple[Any, Any] | None,
+        unpack_backend: str | None = None,
     ) -> None:
         self.id = bucket_id
         self.params = params
@@ -59,6 +60,9 @@ class Bucket:
         self.op = averaging.op
         self.method = method
         self.backend = backend
+        # The unpack's kernels where its shard lives elsewhere than the gradients (a host-side unpack
+        # of a staged segment); by default the bucket's own backend.
+        self.unpack_backend = backend if unpack_backend is None else unpack_backend
         self.mode = mode
         self.pack_scale = averaging.prescale * float(prescale)
         self.unpack_scale = averaging.postscale * float(postscale)

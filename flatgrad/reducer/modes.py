@@ -201,7 +201,7 @@ class ReduceScatter(ReductionMode):
 
     def unpack(self, b, rank, world_size, collect_stats) -> torch.Tensor | None:
         if b.unpack_plan is None:
-            b.unpack_plan = UnpackPlan(b.layout, rank, b.shard, backend=b.backend)
+            b.unpack_plan = UnpackPlan(b.layout, rank, b.shard, backend=b.unpack_backend)
         return b.unpack_plan(b.output, b.shard, scale=b.unpack_scale, accumulate=b.accumulate, return_stats=collect_stats)
 
 

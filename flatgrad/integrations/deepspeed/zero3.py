@@ -140,6 +140,7 @@ import torch
 
 from ... import comm
 from ...layout import Layout
+from ...kernels import host_backend
 from ...reducer import Bucket, DividedPack, ReducerConfig, ReduceScatter, ReductionMode, make_mode, plan_topology
 from .collectives import deepspeed_collectives
 from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version, offload_device
@@ -362,11 +363,14 @@ class Zero3Reducer:
         power_of_two = world_size & (world_size - 1) == 0
         # x * (1/W) has the bits of x / W only for a power-of-two W, and only without a cast before it.
         fused = power_of_two and all(p.dtype == comm_dtype for p in params)
+        # A staged segment is unpacked on the host: its kernels are the host's, whatever runs the pack.
+        staged = self.offload and self.needs_staging()
         bucket = Bucket(
             0, tuple(params), layout, rank, comm_dtype=comm_dtype,
             averaging=comm.Averaging(self._dist.ReduceOp.SUM, 1.0 / world_size if fused else 1.0, 1.0),
             method=self._method, backend=self.config.backend,
             mode=self.mode if fused else self._divided, prescale=1.0, postscale=1.0, streams=None,
+            unpack_backend=host_backend(self.config.backend) if staged else None,
         )  # fmt: skip
         pieces = layout.pieces(rank)
         return _Composition(
