@@ -310,3 +310,53 @@ def test_a_missing_host_partition_raises_on_every_rank_not_a_hang():
     errors = launch(_missing_host_partition_rank, 2, timeout=50)
     assert "has no host gradient partition" in errors[1], errors
     assert "rank 1" in errors[0] and "has no host gradient partition" in errors[0], errors
+
+
+def _bit16_copies_rank(rank: int, world_size: int, pin: bool) -> dict:
+    """Every copy the step makes into this rank's bit16 partitions, and into stock's bit16 host buffers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[int, int, bool]] = []  # (destination, source, non_blocking)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            if func is torch.ops.aten._foreach_copy_.default:
+                self.calls += [(d.data_ptr(), s.data_ptr(), bool(blocking)) for d, s in zip(args[0], args[1])]
+            elif func is torch.ops.aten.copy_.default:
+                self.calls.append((args[0].data_ptr(), args[1].data_ptr(), bool(blocking)))
+            return func(*args, **kwargs)
+
+    engine = _engine("flatgrad", _offload_config(2, 2, world_size, 0.05, pin))
+    o = engine.optimizer
+    out = {"steps": []}
+    for i, (x, y) in enumerate(make_batches(rank, 4, 2, D_IN, D_OUT)):
+        engine.backward(engine(x, y))
+        recorder = Copies()
+        with recorder:
+            engine.step()
+        if i % 2 == 1:  # the boundary: the optimizer stepped
+            bit16 = [o.parallel_partitioned_bit16_groups[k][rank].data_ptr() for k in range(len(o.bit16_groups))]
+            staging = [b.data_ptr() for b in o.param_buffer_of_bit16_for_cpu_offload_groups]
+            masters = [m.data_ptr() for m in o.single_partition_of_fp32_groups]
+            out["steps"].append({"calls": recorder.calls, "bit16": bit16, "staging": staging, "masters": masters})
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("pin", [True, False])
+def test_offload_step_casts_into_stocks_bit16_host_buffers_then_copies_them_non_blocking(pin: bool):
+    """The updated host masters reach the device's bit16 partitions as stock's do: one cast per sub-group into
+    its persistent bit16 host buffer (pinned with ``pin_memory``), then a ``non_blocking`` copy of that buffer;
+    never a copy from the fp32 master straight into the device partition (a pageable cast and a blocking copy
+    per sub-group on a GPU)."""
+    for out in launch(_bit16_copies_rank, 2, pin, timeout=180):
+        assert len(out["steps"]) == 2
+        for step in out["steps"]:
+            into = {dst: (src, non_blocking) for dst, src, non_blocking in step["calls"]}
+            for k, (bit16, staging, master) in enumerate(zip(step["bit16"], step["staging"], step["masters"])):
+                assert into.get(staging) == (master, False), (k, step["calls"])
+                assert into.get(bit16) == (staging, True), (k, step["calls"])

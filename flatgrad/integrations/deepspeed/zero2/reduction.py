@@ -30,6 +30,19 @@ clipping norm rooted as stock's offload path roots it (see [Note: stock clipping
 norm]). A checkpoint load that gives a master partition a new
 ``.grad`` gets the reducers' target put back at the hand-over.
 
+[Note: step placement]
+One rule places every tensor of the step: it takes its device from the tensor it
+is combined with or written into. The unpack's stats and the vector the step
+all_reduces live on the accelerator (``comm_device``: NCCL reduces device
+memory). What reads a partition runs where the partition is: under offload the
+host fp32 gradients, so ``StockNorm``'s index and per-piece norms, and the norms
+of ``group_squared_norms``, are on the host; their sums move to the accelerator
+once, before the all_reduce. The global norm is returned on stock's ``device``
+(``norm_device``: the host under offload, as stock's offload path returns it),
+so the clip scale multiplies the gradients where they are. The updated masters
+reach the bit16 partitions through stock's persistent bit16 host buffers,
+``non_blocking``.
+
 [Note: ZeRO-2 memory]
 Stock frees its IPG buffers and gradient partitions between steps, so
 flatgrad must too. The reducers' comm buffers are a pool of
@@ -122,10 +135,11 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         self.optimizer = o
         self.cfg = cfg
         _refuse_unsupported(o)
-        self.device = torch.device(get_accelerator().current_device_name())
         # Under CPU offload the partitions are the optimizer's host fp32 gradients, which its own step
-        # reads: see [Note: ZeRO-Offload].
+        # reads: see [Note: ZeRO-Offload]. Where the step's tensors live: [Note: step placement].
         self.offload = bool(getattr(o, "cpu_offload", False))
+        self.comm_device = torch.device(get_accelerator().current_device_name())
+        self.norm_device = torch.device(o.device)
         groups = self._sub_groups_by_process_group()
         # With an elementwise optimizer the step updates runs of sub-groups as one tensor: the
         # shards of a reducer are then one arena, in sub-group order. See [Note: optimizer arenas].
@@ -157,7 +171,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
         # On gloo the step's gather copies every chunk anyway: it takes this rank's bit16 partitions
         # straight from the master arena (one cast), instead of a copy per sub-group first.
         self._gather_from_arenas = self.arenas is not None and all(
-            comm.backend_name(r.process_group, self.device) == "gloo" for r in self.reducers
+            comm.backend_name(r.process_group, self.comm_device) == "gloo" for r in self.reducers
         )
         self._pipe_replicated = any(getattr(p, PIPE_REPLICATED, False) for p in self._bit16_params)
         self._stock_norm: StockNorm | None = None  # planned at the first clipped step
@@ -246,8 +260,8 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
                 for p in o.round_robin_bit16_groups[i]:
                     self._reducer_of[id(p)] = reducer
             self.reducers.append(reducer)
-            self.methods.add(comm.resolve_method(cfg.reduce_scatter_method, pg, self.device))
-        self._stats_order = torch.tensor(concat_position, dtype=torch.long, device=self.device)
+            self.methods.add(comm.resolve_method(cfg.reduce_scatter_method, pg, self.comm_device))
+        self._stats_order = torch.tensor(concat_position, dtype=torch.long, device=self.comm_device)
 
     def _host_gradient(self, i: int) -> torch.Tensor:
         """Sub-group ``i``'s fp32 gradient partition on the host, which the offloaded optimizer reads (stock's own)."""
@@ -267,7 +281,7 @@ class Zero2Reduction(Zero2Step, Zero2StepStats, Zero2Checkpoints):
             if o.has_moe_layers and o.is_moe_param_group[i]:
                 pg = o.real_dp_process_group[i]
                 moe.setdefault(id(pg), (pg, []))[1].append(i)
-        return [(pg, torch.tensor(indices, dtype=torch.long, device=self.device)) for pg, indices in moe.values()]
+        return [(pg, torch.tensor(indices, dtype=torch.long, device=self.comm_device)) for pg, indices in moe.values()]
 
     # -- window: the micro-steps whose gradients one step() consumes
 

@@ -25,14 +25,14 @@ straight into the partitions, behind DeepSpeed's API, is not seen.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ..step_stats import StepStats
 from .stock_norm import StockNorm
 
-__all__ = ["Zero2StepStats"]
+__all__ = ["Zero2StepStats", "group_squared_norms"]
 
 
 class Zero2StepStats:
@@ -78,11 +78,12 @@ class Zero2StepStats:
 
         def build() -> torch.Tensor:
             rows = [stats for reducer in self.reducers for stats in reducer.shard_stats()]
-            stacked = torch.stack(rows).to(self.device).index_select(0, self._stats_order)  # [G, 2]: sum_sq, nonfinite
+            stacked = torch.stack(rows).to(self.comm_device).index_select(0, self._stats_order)  # [G, 2]
             nonfinite = stacked[:, 1].sum().reshape(1)
             if self._clips_as_stock():  # fp64 sums of stock's partitions instead: see [Note: stock clipping norm]
                 partitions = [p.flat_partition for p in self.partitions]
-                return torch.cat([self._stock_norm_plan().partial_sums(partitions), nonfinite.double()])
+                sums = self._stock_norm_plan().partial_sums(partitions, nonfinite.device)
+                return torch.cat([sums, nonfinite.double()])
             return torch.cat([stacked[:, 0], nonfinite])
 
         def all_reduce(total: torch.Tensor) -> None:
@@ -114,20 +115,21 @@ class Zero2StepStats:
         if norm_type != 2:
             raise ValueError(f"only the L2 gradient norm is supported, got norm_type={norm_type}")
         if self.partitions is not None and self._clips_as_stock():
-            return self._stock_norm_plan().combine(self._reduced_stats()[:-1], o.dp_process_group)
+            norm = self._stock_norm_plan().combine(self._reduced_stats()[:-1], o.dp_process_group)
+            return norm.to(self.norm_device)  # stock's device: [Note: step placement]
         if self._stats_usable() and self.partitions is not None:
             total = self._reduced_stats()[:-1].clone()
         else:
             total = self._squared_norms_from_partitions()
         total = total.pow(1.0 / 2.0)
-        mask_nan_or_inf_with_val_inplace(total, device=self.device)
+        mask_nan_or_inf_with_val_inplace(total, device=total.device)
         if o.has_moe_layers:
             for pg, indices in self._moe_groups:
                 scaled = total[indices] * 1.0 / dist.get_world_size(group=pg)
                 dist.all_reduce(scaled, group=pg)
                 total[indices] = scaled
         # Stock passes G group norms, which it stacks: the vector as one group is that stack, with no G views.
-        return combine_grad_norm_groups([total], norm_type=2)
+        return combine_grad_norm_groups([total], norm_type=2).to(self.norm_device)
 
     def _clips_as_stock(self) -> bool:
         """Whether this step's norm clips and comes from ``StockNorm``: clipping on, no MoE, no model or
@@ -149,7 +151,7 @@ class Zero2StepStats:
                 unsplit = [o._round_robin_reorder(params, world_size)[0] for params in unsplit]
             self._stock_norm = StockNorm(
                 unsplit, o.round_robin_bit16_groups, self.layouts, dist.get_rank(group=o.dp_process_group),
-                world_size, int(o.nccl_start_alignment_factor), self.device, host_root=self.offload,
+                world_size, int(o.nccl_start_alignment_factor), host_root=self.offload,
             )  # fmt: skip
         return self._stock_norm
 
@@ -158,25 +160,37 @@ class Zero2StepStats:
         import deepspeed.comm as dist
         from deepspeed.runtime.constants import PIPE_REPLICATED
         from deepspeed.runtime.utils import is_model_parallel_parameter
-        from deepspeed.runtime.zero.utils import get_norm_dtype
 
         o = self.optimizer
-        norm_dtype = get_norm_dtype()
-        sums = []
+        groups = []
         for i in range(len(o.bit16_groups)):
             grads = (g for g in o.averaged_gradients[i] if not getattr(g, "_zero_padding", False))
-            norms = [
-                torch.linalg.vector_norm(g.data.to(norm_dtype).detach(), ord=2.0)
-                for g, p in zip(grads, o.params_in_partition[i])
+            groups.append([
+                g for g, p in zip(grads, o.params_in_partition[i])
                 if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
                 and (is_model_parallel_parameter(p) or o.model_parallel_rank == 0)
-            ]
-            sums.append(
-                torch.stack(norms).pow(2.0).sum().float()
-                if norms
-                else torch.zeros((), dtype=torch.float32, device=self.device)
-            )
-        total = torch.stack(sums)
+            ])  # fmt: skip
+        total = group_squared_norms(groups, self.comm_device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=o.dp_process_group)
         o._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
         return total
+
+
+def group_squared_norms(groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """Stock's squared norm of every group of gradient pieces, stacked on ``device``, where its all_reduce runs.
+
+    Each piece's norm is taken where the piece lives (the host partitions under
+    offload), in DeepSpeed's norm dtype; each group's sum moves to ``device``
+    once. See [Note: step placement].
+    """
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    norm_dtype = get_norm_dtype()
+    sums = []
+    for grads in groups:
+        if grads:
+            norms = [torch.linalg.vector_norm(g.data.to(norm_dtype).detach(), ord=2.0) for g in grads]
+            sums.append(torch.stack(norms).pow(2.0).sum().float().to(device))
+        else:
+            sums.append(torch.zeros((), dtype=torch.float32, device=device))
+    return torch.stack(sums)

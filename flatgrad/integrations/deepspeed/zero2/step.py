@@ -45,7 +45,7 @@ import torch
 from .... import comm
 from ..arenas import same_settings
 
-__all__ = ["Zero2Step"]
+__all__ = ["Zero2Step", "unscale_and_clip_"]
 
 
 class Zero2Step:
@@ -115,7 +115,7 @@ class Zero2Step:
         arenas = self.arenas if self.arenas is not None and self.arenas.usable() else None
         arena_grads = self._arena_grads() if arenas is not None else None
         grads = arena_grads if arena_grads is not None else self._sub_group_grads()
-        self._unscale_and_clip(grads, norm)
+        unscale_and_clip_(grads, norm, o.clip_grad, o.loss_scale)
         o.timers(OPTIMIZER_GRADIENTS_TIMER).stop()
 
         o.timers(OPTIMIZER_STEP_TIMER).start()
@@ -137,8 +137,7 @@ class Zero2Step:
             if not stepped:  # arenas.step() checked them already
                 self.arenas.check_masters()
         else:
-            with torch.no_grad():
-                torch._foreach_copy_(*self._bit16_copies())
+            self._copy_to_bit16()
         self.release()  # the partitions are consumed: free them before the all_gather, as stock frees its grads
         o.timers(OPTIMIZER_STEP_TIMER).stop()
 
@@ -193,26 +192,6 @@ class Zero2Step:
         o.all_grad_tensors.update(dict.fromkeys(range(len(self.layouts))))
         return grads
 
-    def _unscale_and_clip(self, grads: list[torch.Tensor], norm: Any) -> None:
-        """Stock's ``unscale_and_clip_grads`` with one multi-tensor multiply: the same scale, the same products.
-
-        Stock computes one combined scale from the global norm and multiplies every
-        group's gradient by it, one ``mul_`` per group (per sub-group here).
-        """
-        from deepspeed.runtime.utils import is_invalid_grad_norm
-
-        o = self.optimizer
-        if o.clip_grad == 0.0 and o.loss_scale == 1.0:
-            return
-        combined_scale = o.loss_scale
-        if o.clip_grad > 0.0:
-            clip_norm = norm
-            if is_invalid_grad_norm(clip_norm):
-                clip_norm = torch.tensor(float("inf"), dtype=torch.float, device=o.device)
-            clip = torch.clamp(((clip_norm / o.loss_scale) + 1e-6) / o.clip_grad, min=1.0)
-            combined_scale = clip * o.loss_scale
-        torch._foreach_mul_(grads, 1.0 / combined_scale)
-
     def _update_bit16_views(self) -> None:
         """Stock's ``_update_model_bit16_weights`` for every sub-group whose params are not views of its flat.
 
@@ -238,6 +217,23 @@ class Zero2Step:
                 self._bit16_viewed[i] = True
             ends += pairs
         self._bit16_checks = (list(o.bit16_groups_flat), [p for p, _ in ends], [ptr for _, ptr in ends])
+
+    @torch.no_grad()
+    def _copy_to_bit16(self) -> None:
+        """The updated fp32 partitions into this rank's bit16 partitions, as stock copies them.
+
+        Under offload the masters are on the host: each is cast there into stock's own
+        persistent bit16 host buffer (pinned with ``pin_memory``), which is then copied
+        ``non_blocking`` to the device, as stock's offload step does: no pageable
+        temporary and no blocking copy per sub-group.
+        """
+        bit16, masters = self._bit16_copies()
+        if not self.offload:
+            torch._foreach_copy_(bit16, masters)
+            return
+        staging = self.optimizer.param_buffer_of_bit16_for_cpu_offload_groups
+        torch._foreach_copy_(staging, masters)
+        torch._foreach_copy_(bit16, staging, non_blocking=True)
 
     def _bit16_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's bit16 partition of every sub-group and its fp32 master, listed once (again if a flat moved)."""
@@ -322,3 +318,27 @@ class Zero2Step:
                 for k, v in group.items():
                     if k != "params":
                         sub[k] = v
+
+
+def unscale_and_clip_(grads: list[torch.Tensor], norm: Any, clip_grad: float, loss_scale: float) -> None:
+    """Stock's ``unscale_and_clip_grads`` with one multi-tensor multiply: the same scale, the same products.
+
+    Stock computes one combined scale from the global norm and multiplies every
+    group's gradient by it, one ``mul_`` per group (per sub-group here). The scale
+    is computed where the norm is and multiplies the gradients where they are (the
+    host partitions under offload): see [Note: step placement].
+    """
+    if (clip_grad == 0.0 and loss_scale == 1.0) or not grads:
+        return
+    combined_scale = loss_scale
+    if clip_grad > 0.0:
+        if not isinstance(norm, torch.Tensor):
+            norm = torch.tensor(float(norm), dtype=torch.float)
+        # Stock clips an invalid norm (non-finite, or DeepSpeed's -1) as an infinite one; a select, not a sync.
+        clip_norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, torch.full_like(norm, float("inf")))
+        clip = torch.clamp(((clip_norm / loss_scale) + 1e-6) / clip_grad, min=1.0)
+        combined_scale = clip * loss_scale
+    scale = 1.0 / combined_scale
+    if isinstance(scale, torch.Tensor) and scale.device != grads[0].device:
+        scale = scale.to(grads[0].device)
+    torch._foreach_mul_(grads, scale)

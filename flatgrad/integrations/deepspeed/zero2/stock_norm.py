@@ -43,7 +43,6 @@ class StockNorm:
         layouts: every sub-group's ``Layout`` (flatgrad's partitions, DeepSpeed's flats).
         rank, world_size: this rank in the data-parallel group, and its size.
         align: DeepSpeed's ``nccl_start_alignment_factor`` (stock pads its flat to ``align * world_size``).
-        device: where the plan's index lives (the partitions' device).
         host_root: root each group's sum as stock's offload path does (in fp64), not in fp32.
     """
 
@@ -55,7 +54,6 @@ class StockNorm:
         rank: int,
         world_size: int,
         align: int,
-        device: torch.device,
         host_root: bool = False,
     ):
         self.rank, self.world_size = rank, world_size
@@ -82,20 +80,26 @@ class StockNorm:
                     index.append(g * world_size + r)
                     start = end
         self.segments = segments
-        self.index = torch.tensor(index, dtype=torch.long, device=device)
+        self._rows = index
+        self.index: torch.Tensor | None = None  # made on the partitions' device at the first call
 
-    def partial_sums(self, partitions: Sequence[torch.Tensor]) -> torch.Tensor:
-        """This rank's share of stock's per-rank squared norms: fp64 ``[groups * world_size]``.
+    def partial_sums(self, partitions: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+        """This rank's share of stock's per-rank squared norms: fp64 ``[groups * world_size]``, on ``device``.
 
         ``partitions[i]`` is sub-group ``i``'s flat partition. One fp64 norm per
-        segment, as stock takes one per piece (so no fp64 copy larger than stock's).
+        segment, as stock takes one per piece (so no fp64 copy larger than stock's),
+        on the partitions' device; the sums then move to ``device`` (where they are
+        all_reduced; default: the partitions' device). See [Note: step placement].
         """
-        out = torch.zeros(self.num_groups * self.world_size, dtype=torch.float64, device=self.index.device)
+        where = partitions[0].device if len(partitions) else torch.device("cpu")
+        if self.index is None or self.index.device != where:  # the partitions' device: [Note: step placement]
+            self.index = torch.tensor(self._rows, dtype=torch.long, device=where)
+        out = torch.zeros(self.num_groups * self.world_size, dtype=torch.float64, device=where)
         if self.segments:
             views = [partitions[i].narrow(0, offset, length) for i, offset, length in self.segments]
             norms = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64))
             out.index_add_(0, self.index, norms.pow(2.0))
-        return out
+        return out if device is None else out.to(device)
 
     def combine(self, sums: torch.Tensor, group: Any) -> torch.Tensor:
         """Stock's global norm from ``sums``, every rank's ``partial_sums`` added up (fp64, all ranks).
@@ -121,5 +125,5 @@ class StockNorm:
         return combine_grad_norm_groups(norms, norm_type=2)
 
     def metadata_bytes(self) -> int:
-        """Bytes this plan keeps on the device: the segments' group-and-rank index."""
-        return self.index.nbytes
+        """Bytes this plan keeps on the partitions' device: the segments' group-and-rank index."""
+        return self.index.nbytes if self.index is not None else 0
