@@ -22,9 +22,9 @@ weights; every later one depends on the updates, hence on the reduced
 gradients, so ``--steps`` must be at least 2. A pair passes when the largest
 relative loss difference over ranks and steps is within ``--rtol``.
 
-    python bench/gpu_zero_step.py --out zero_gpu.json
-    python bench/gpu_zero_step.py --steps 3 --dtype fp32
-    python bench/gpu_zero_step.py --device cpu --world-size 2   # the same flow on gloo ranks, no memory figures
+    python -m flatgrad.check.zero_step --out zero_gpu.json
+    python -m flatgrad.check.zero_step --steps 3 --dtype fp32
+    python -m flatgrad.check.zero_step --device cpu --world-size 2   # the same flow on gloo ranks, no memory figures
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
         os.environ["DS_ACCELERATOR"] = "cpu"  # read by DeepSpeed when the spawned ranks import it
     rtol = args.rtol if args.rtol is not None else _RTOL[args.dtype]
     doc: dict[str, Any] = {
-        "benchmark": "gpu_zero_step",
+        "benchmark": "zero_step",
         "device": args.device,
         "world_size": world_size,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
         options = {"device": args.device, "steps": args.steps, "dtype": args.dtype, "micro_batch": args.micro_batch,
                    "bucket": args.bucket, "lr": args.lr, "seed": args.seed, "model": list(model)}  # fmt: skip
         for key in (stock_key, flatgrad_key):
-            print(f"gpu_zero_step: {key} on {world_size} {args.device} rank(s), model {model[0]} {model[1] or ''}",
+            print(f"zero_step: {key} on {world_size} {args.device} rank(s), model {model[0]} {model[1] or ''}",
                   flush=True)
             started = time.perf_counter()
             entry: dict[str, Any] = {"model": model[0], "model_kwargs": model[1]}
@@ -214,7 +214,7 @@ def format_table(doc: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (importable without DeepSpeed or a GPU)."""
-    parser = argparse.ArgumentParser(prog="gpu_zero_step", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m flatgrad.check.zero_step", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda: one NCCL rank per visible GPU (default); "
                              "cpu: --world-size gloo ranks, no memory figures")
@@ -236,12 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run, print the table, write the JSON; exit status 1 when a setup failed or a pair's losses differ."""
     args = build_parser().parse_args(argv)
     if args.steps < 2:
-        print("gpu_zero_step: --steps must be >= 2 (the first loss does not depend on the gradients)", file=sys.stderr)
+        print("zero_step: --steps must be >= 2 (the first loss does not depend on the gradients)", file=sys.stderr)
         return 2
     try:
         doc = run(args)
     except RuntimeError as exc:
-        print(f"gpu_zero_step: {exc}", file=sys.stderr)
+        print(f"zero_step: {exc}", file=sys.stderr)
         return 2
     print(format_table(doc))
     if args.out:
