@@ -164,7 +164,7 @@ def plan(ctx: Context) -> list[Step]:
         "--repeats", "5" if ctx.quick else "10", "--warmup", "2" if ctx.quick else "3",
         "--out", os.path.join(out, "bench.json"),
     )  # fmt: skip
-    # Each zero-step setup spawns its own ranks: four cold starts share the step's time.
+    # zero-step spawns its ranks once and builds its four setups in them, as zero-offload does its configs.
     zero_args = ("--steps", "2" if ctx.quick else "3", "--timeout", str(int(t["zero-step"] - 5)),
                  "--out", os.path.join(out, "zero_step.json"))  # fmt: skip
     offload_args = ("--device", "cuda", "--timeout", str(int(t["zero-offload"] - 5)),
