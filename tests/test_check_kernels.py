@@ -1,4 +1,4 @@
-"""flatgrad.check.kernels, the check's kernels step: its sweep on the CPU backend, and its comparison catching one bit."""
+"""flatgrad.check.kernels, the check's kernels step: its CPU sweep, and its comparison catching one bit."""
 
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ def test_the_two_stage_expectation_fails_when_the_rail_stage_is_left_out() -> No
     numels = [37, 4, 300]
     layout = Layout.flat(numels, 4)
     s = layout.shard_numel
-    grads = [torch.randint(-1, 2, (n,), generator=torch.Generator().manual_seed(i)).float() for i, n in enumerate(numels)]
+    grads = [torch.randint(-1, 2, (n,), generator=torch.Generator().manual_seed(i)).float()
+             for i, n in enumerate(numels)]  # fmt: skip
     packed = torch.zeros(layout.numel)
     reference.pack(grads, layout, packed, 1.0)
     expected = packed.view(4, s).sum(0)
@@ -73,7 +74,8 @@ def test_the_two_stage_expectation_fails_when_the_rail_stage_is_left_out() -> No
         mode = TwoStageReduceScatter(place_ranks(2, [0, 1, 2, 3], 4, 3))
         mode.node_group = mode.rail_group = group
         params = tuple(torch.nn.Parameter(torch.zeros(n)) for n in numels)
-        b = Bucket(0, params, layout, 3, comm_dtype=torch.float32, averaging=comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0),
+        averaging = comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0)
+        b = Bucket(0, params, layout, 3, comm_dtype=torch.float32, averaging=averaging,
                    method="tensor", backend=None, mode=mode, prescale=1.0, postscale=1.0, streams=None)  # fmt: skip
         stand_in = streams.StandInCollectives([0])
         mode.bind(b, "input", torch.empty(layout.numel), 3, 4)

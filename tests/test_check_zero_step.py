@@ -1,4 +1,4 @@
-"""flatgrad.check.zero_step, the check's zero-step step: its flow on 2 gloo ranks on the CPU, every setup in one spawn."""
+"""flatgrad.check.zero_step, the check's zero-step step: its flow on 2 gloo CPU ranks, one spawn for every setup."""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ _SPECIALS = (float("inf"), float("-inf"), float("nan"), -0.0, 65520.0, 1e-40)
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (importable without a GPU)."""
-    parser = argparse.ArgumentParser(prog="python -m flatgrad.check.kernels", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m flatgrad.check.kernels",
+                                     description=(__doc__ or "").splitlines()[0])  # fmt: skip
     parser.add_argument("--device", default="cuda", help="where the tensors live (default cuda)")
     parser.add_argument("--backends", default="cuda,triton", help="comma-separated backends (default cuda,triton)")
     parser.add_argument("--quick", action="store_true", help="fewer layouts")

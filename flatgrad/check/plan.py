@@ -1,4 +1,4 @@
-"""The check's steps: where they run (``Context``), what each runs (``Step``), their budget and their order (``plan``)."""
+"""The check's steps: where they run (``Context``), what each runs (``Step``), their budget and order (``plan``)."""
 
 from __future__ import annotations
 

@@ -219,8 +219,8 @@ def _before(step: Step, ctx: Context) -> dict[str, Any] | None:
     if step.checkout and not ctx.root:
         return {"name": step.name, "status": "skipped", "reason": NEEDS_CHECKOUT}
     if step.kind == "wheels" and not step.files:
-        return {"name": step.name, "status": "skipped",
-                "reason": "no .whl/*.whl: DeepSpeed must already be installed (see bench/gpu_check.sh in a checkout)"}  # fmt: skip
+        reason = "no .whl/*.whl: DeepSpeed must already be installed (see bench/gpu_check.sh in a checkout)"
+        return {"name": step.name, "status": "skipped", "reason": reason}
     if step.kind == "build":
         built = glob.glob(os.path.join(_build_lib(step), "flatgrad", "_C*.so"))
         if built:

@@ -296,7 +296,8 @@ def run(cycles: int = SLEEP_CYCLES) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (importable without a GPU)."""
-    parser = argparse.ArgumentParser(prog="python -m flatgrad.check.streams", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m flatgrad.check.streams",
+                                     description=(__doc__ or "").splitlines()[0])  # fmt: skip
     parser.add_argument("--out", help="write the JSON here")
     parser.add_argument("--sleep-cycles", type=int, default=SLEEP_CYCLES,
                         help=f"cycles each torch.cuda._sleep holds a stream back (default {SLEEP_CYCLES:.0e})")
@@ -311,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     doc = run(args.sleep_cycles)
     for entry in doc["checks"]:
-        print(f"{'ok  ' if entry['ok'] else 'FAIL'} {entry['name']}" + (f": {entry['detail']}" if entry["detail"] else ""))
+        detail = f": {entry['detail']}" if entry["detail"] else ""
+        print(f"{'ok  ' if entry['ok'] else 'FAIL'} {entry['name']}{detail}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

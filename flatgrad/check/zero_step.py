@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="weights, batches and gate noise derive from it")
     parser.add_argument("--rtol", type=float, help="largest relative loss difference that passes "
                         f"(default {_RTOL['fp32']:g} for fp32, {_RTOL['bf16']:g} for bf16)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for all setups before the ranks are killed")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds for all setups before the ranks are killed (default 300)")
     parser.add_argument("--out", help="write the JSON here")
     return parser
 
