@@ -9,8 +9,9 @@ public call (``flatgrad.pack`` / ``flatgrad.unpack``) and through a plan (``flat
 ``flatgrad.UnpackPlan``, called twice, the second time on new tensors), on the same device as the
 reference. Results must equal the reference's bit for bit, except that any NaN matches any NaN (NaN
 payloads are not part of the contract); stats agree to fp32 rounding (their summation order is the
-backend's), the non-finite flag exactly. Prints the first differences, then one JSON line of figures;
-exit status 1 on any difference or when a backend cannot run.
+backend's), the non-finite flag exactly. Prints the first differences, and the figures so far as one JSON
+line after each backend (the last line has them all); exit status 1 on any difference or when a backend
+cannot run.
 
 ``python -m flatgrad.check.kernels [--device cuda] [--backends cuda,triton] [--quick]``
 (``--device cpu --backends cpu`` runs it anywhere, as its test does).
@@ -207,12 +208,15 @@ def _check_unpack(case: dict, backend: str, device: torch.device) -> list[str]:
     return problems
 
 
-def run(device: torch.device, backends: Sequence[str], quick: bool) -> dict:
-    """Every case on every backend; the figures (cases per backend, every failure, ``ok``)."""
+def run(device: torch.device, backends: Sequence[str], quick: bool, progress: bool = False) -> dict:
+    """Every case on every backend; the figures (cases per backend, every failure, ``ok``).
+
+    With ``progress`` the figures so far are printed as a JSON line after each backend.
+    """
     import flatgrad
 
     status = flatgrad.available_backends()
-    doc: dict[str, Any] = {"device": str(device), "backends": {}, "cases": 0, "failures": []}
+    doc: dict[str, Any] = {"device": str(device), "backends": {}, "cases": 0, "failures": [], "ok": False}
     for backend in backends:
         started, cases, failures = time.perf_counter(), 0, []
         s = status.get(backend)
@@ -238,9 +242,10 @@ def run(device: torch.device, backends: Sequence[str], quick: bool) -> dict:
         doc["backends"][backend] = {"cases": cases, "failures": len(failures), "seconds": seconds}
         print(f"{backend}: {cases} cases, {len(failures)} failed, {seconds} s", flush=True)
         doc["cases"] += cases
-        doc["failures"] += failures
-    doc["failures"] = doc["failures"][:100]
-    doc["ok"] = not doc["failures"] and doc["cases"] > 0
+        doc["failures"] = (doc["failures"] + failures)[:100]
+        doc["ok"] = not doc["failures"] and doc["cases"] > 0
+        if progress:
+            print(json.dumps(doc), flush=True)  # the figures so far: a run cut short keeps the backends it finished
     return doc
 
 
@@ -251,8 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"ok": False, "cases": 0, "failures": ["no CUDA device is visible to torch"]}))
         return 1
-    doc = run(device, [b.strip() for b in args.backends.split(",") if b.strip()], args.quick)
-    print(json.dumps(doc))
+    doc = run(device, [b.strip() for b in args.backends.split(",") if b.strip()], args.quick, progress=True)
     return 0 if doc["ok"] else 1
 
 

@@ -44,7 +44,7 @@ _STEPS, _GAS = 3, 2
 
 
 def configs(device: str, quick: bool = False) -> list[dict[str, Any]]:
-    """The configs, by name: stage, model, dtype, pinning and (ZeRO-3) flatgrad's kernel backend."""
+    """The configs, by name: stage, model, dtype, pinning (None: DeepSpeed's default), ZeRO-3's kernel backend."""
     found = []
     for model in ("dense", "moe"):
         for pin in (True, False):
@@ -54,14 +54,17 @@ def configs(device: str, quick: bool = False) -> list[dict[str, Any]]:
     backends = ("cuda", "triton") if device == "cuda" else ("cpu",)
     for backend in backends:
         for dtype in ("fp32", "bf16") if backend != "triton" and not quick else ("fp32",):
-            found.append(dict(name=f"zero3-{backend}-dense-{dtype}", stage=3, model="dense", dtype=dtype, pin=True,
+            found.append(dict(name=f"zero3-{backend}-dense-{dtype}", stage=3, model="dense", dtype=dtype, pin=None,
                               backend=backend))  # fmt: skip
     return found
 
 
 def _ds_config(config: dict, flat: bool, options: dict) -> dict:
+    offload: dict[str, Any] = {"device": "cpu"}
+    if config["pin"] is not None:
+        offload["pin_memory"] = config["pin"]
     zero: dict[str, Any] = {"stage": config["stage"], "reduce_bucket_size": options["bucket"],
-                            "offload_optimizer": {"device": "cpu", "pin_memory": config["pin"]}}  # fmt: skip
+                            "offload_optimizer": offload}  # fmt: skip
     if config["stage"] == 2:
         zero["allgather_bucket_size"] = max(options["bucket"], 10**8)
     else:
