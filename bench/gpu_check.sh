@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# Validate flatgrad on a GPU node in one command, budgeted at 8 minutes on one H200 (--quick: 4).
+# Validate flatgrad on a GPU node in one command, budgeted at 8 minutes on one H200 (--quick: 4):
+# `flatgrad check` (python -m flatgrad.check) on this checkout, so that its build and GPU tests run too.
 #
 #   bench/gpu_check.sh [--quick] [--out DIR] [--build-dir DIR] [--only STEPS] [--skip STEPS]
 #   bench/gpu_check.sh --dry-run      # any machine, no GPU: checks that every step can run; CI runs it
 #   bench/gpu_check.sh --fetch-wheels # here, with network: put DeepSpeed and its missing deps in .whl/
 #
-# Steps, most informative first (bench/gpu_check.py says more; its BUDGET table gives each step's
-# timeout, 480 s in all): wheels, env, build (C++ and CUDA for the visible GPUs' archs, cached by
-# content in --build-dir), backends, test-kernels (cuda and triton against the reference), test-cuda,
-# wire (bench/gpu_wire_check.py: every wire mode on cuda and triton, bitwise against the reference),
-# test-reducer (the reducer's stream hand-off over NCCL, 1 rank; 2 with 2 GPUs), zero-step (ZeRO-2/3
-# stock against flatgrad on every GPU: losses, peak memory), bench (flatgrad bench --device cuda),
-# test-triton. A failure is recorded and the next step runs; the summary is rewritten after each step. Results go to
-# --out (default $OUT, else ./gpu-check-out): summary.txt, summary.json, gpu_check.log, bench.json,
-# zero_step.json. Exit status 0 only when every step passed.
+# Steps, most informative first (flatgrad/check/plan.py's BUDGET table gives each step's timeout, 480 s
+# in all): wheels, env, build (C++ and CUDA for the visible GPUs' archs, cached by content in
+# --build-dir), backends, kernels (pack/unpack and their plans on cuda and triton, bitwise against the
+# reference), zero-offload (ZeRO-2/3 with CPU optimizer offload, stock against flatgrad: losses, peak
+# memory), streams (shard-target delivery, deliver() and the two-stage stream order behind sleeps),
+# wire (every wire mode on cuda and triton, bitwise), zero-step (ZeRO-2/3 stock against flatgrad on every
+# GPU), test-reducer, test-cuda, test-kernels, bench (flatgrad bench --device cuda), test-triton. A failure
+# is recorded and the next step runs; the summary is rewritten after each step. Results go to --out
+# (default $OUT, else ./gpu-check-out): summary.txt, summary.json, gpu_check.log, bench.json,
+# zero_step.json, zero_offload.json, streams.json. Exit status 0 only when every step passed.
+# Without a checkout, `flatgrad check` from an installed package runs the same steps but wheels, build
+# and the test-* steps.
 #
 # On this workplace's device machine (tool `run`, kind nvidia-h200; /work/.library/device/README.md).
 # Its image has torch, Triton, nvcc, pytest, hypothesis and pytest-timeout but no DeepSpeed, and it
@@ -30,12 +34,13 @@
 #   2. one call: run(command="bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #      (--dry-run, on any machine, prints the budget table: each step's timeout and their sum)
 #      The `wheels` step installs .whl/*.whl with `pip install --no-index --no-deps --target` into
-#      BUILD_DIR/site and puts it first on PYTHONPATH for the later steps. $OUT's five files come back;
+#      BUILD_DIR/site and puts it first on PYTHONPATH for the later steps. $OUT's files come back;
 #      the summary is also the last thing printed. A warm machine keeps --build-dir (/tmp), so a
 #      second call skips the compile; `--only bench,zero-step` reruns a subset.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's flatgrad, installed or not
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   set -e
@@ -49,4 +54,4 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   exit 0
 fi
 
-exec "$PYTHON" "$ROOT/bench/gpu_check.py" "$@"
+exec "$PYTHON" -m flatgrad.check --root "$ROOT" "$@"

@@ -1,4 +1,4 @@
-"""The ``flatgrad`` command: ``flatgrad demo``, ``flatgrad bench`` and ``flatgrad plan``.
+"""The ``flatgrad`` command: ``flatgrad demo``, ``flatgrad bench``, ``flatgrad plan`` and ``flatgrad check``.
 
 A subcommand is a module with ``add_arguments(parser)`` and
 ``run_from_args(args) -> int`` (exit status) whose docstring's first paragraph
@@ -27,6 +27,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "plan": (
         "flatgrad.planner.command",
         "per-backward collective schedules of stock DeepSpeed and flatgrad at any world size, without GPUs",
+    ),
+    "check": (
+        "flatgrad.check.command",
+        "validate flatgrad on a GPU node in one budgeted run (--dry-run: any machine, no GPU)",
     ),
 }
 

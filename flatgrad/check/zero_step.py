@@ -12,19 +12,23 @@ same batches, one rank per visible GPU over NCCL:
 * ZeRO-3: ``stock_zero3`` against ``flatgrad_zero3`` on the demo's dense
   ZeRO-3 model (DeepSpeed 0.19 refuses its MoE under ZeRO-3).
 
-Every setup runs in its own freshly spawned ranks, so each rank's
-``torch.cuda.max_memory_allocated`` is that setup's alone (peak stats are
-reset after the process group is made; the figure covers building the engine
-and the steps). Reported per setup: the losses of every step and rank, the
-memory allocated once the engine is built (model and optimizer states), the
-peak, and each step's wall time. The first step's loss depends only on the
+The ranks are spawned once and build the setups' engines one after another
+(imports and the process group are paid once: a cold rank takes 25-40 s before
+its first step). Before each setup the previous engine is destroyed and the
+cache emptied; the memory figures count what is allocated above what was left
+before the setup (peak stats are reset there; the figure covers building the
+engine and the steps). Reported per setup: the losses of every step and rank,
+the memory allocated once the engine is built (model and optimizer states), the
+peak, and each step's wall time; an exception fails that setup and the next one
+runs, and results arrive setup by setup, so a run cut short keeps the setups it
+finished. The first step's loss depends only on the
 weights; every later one depends on the updates, hence on the reduced
 gradients, so ``--steps`` must be at least 2. A pair passes when the largest
 relative loss difference over ranks and steps is within ``--rtol``.
 
-    python bench/gpu_zero_step.py --out zero_gpu.json
-    python bench/gpu_zero_step.py --steps 3 --dtype fp32
-    python bench/gpu_zero_step.py --device cpu --world-size 2   # the same flow on gloo ranks, no memory figures
+    python -m flatgrad.check.zero_step --out zero_gpu.json
+    python -m flatgrad.check.zero_step --steps 3 --dtype fp32
+    python -m flatgrad.check.zero_step --device cpu --world-size 2   # the same flow on gloo ranks, no memory figures
 """
 
 from __future__ import annotations
@@ -54,58 +58,77 @@ def _model_for(pair: str, world_size: int) -> tuple[str, dict[str, Any]]:
     return DENSE
 
 
-def _rank(rank: int, world_size: int, key: str, options: dict) -> dict:
-    """Build ``key``'s engine on this rank's GPU, train ``options["steps"]`` steps; losses, memory, times."""
+def _setup(rank: int, world_size: int, key: str, options: dict) -> dict:
+    """Build ``key``'s engine on this rank's device, train ``options["steps"]`` steps; losses, memory, times."""
+    import gc
+
+    import deepspeed
     import torch
 
+    import flatgrad.deepspeed as flatgrad_ds
     from flatgrad.demo.setups import build_model, by_key, ds_config, make_batches
     from flatgrad.kernels import DTYPE_NAMES
-    from flatgrad.testing.deepspeed_rank import init_deepspeed
 
-    device = options["device"]
-    cuda = device == "cuda"
-    init_deepspeed(rank, world_size, device)
-    import deepspeed
-
-    import flatgrad.deepspeed as flatgrad_ds
+    cuda = options["device"] == "cuda"
 
     def synchronize() -> None:
         if cuda:
             torch.cuda.synchronize()
 
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     synchronize()
+    base = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     setup = next(s for s in by_key([key]) if s.key == key)
     dtype = DTYPE_NAMES[options["dtype"]]
     cfg = ds_config(setup, world_size=world_size, micro_batch=options["micro_batch"], bucket=options["bucket"],
                     dtype=options["dtype"], lr=options["lr"])  # fmt: skip
-    model = build_model(tuple(options["model"]), options["seed"])
+    model = build_model(tuple(options["models"][key]), options["seed"])
     initialize = flatgrad_ds.initialize if setup.flatgrad else deepspeed.initialize
     engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
-    synchronize()
-    built = torch.cuda.memory_allocated() if cuda else None
-    batches = make_batches(rank, options["steps"], options["micro_batch"], _WIDTH, options["seed"])
-    losses, times = [], []
-    for step, batch in enumerate(batches):
-        torch.manual_seed(options["seed"] + 7919 * (step + 1))  # the same gate noise for every setup
-        x, y = (t.to(engine.device, dtype) for t in batch)
+    try:
         synchronize()
-        start = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.detach().float().item())
-    result = {
-        "losses": losses,
-        "step_s": times,
-        "allocated_after_build": built,
-        "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None,
-    }
-    engine.destroy()
-    return result
+        built = torch.cuda.memory_allocated() - base if cuda else None
+        batches = make_batches(rank, options["steps"], options["micro_batch"], _WIDTH, options["seed"])
+        losses, times = [], []
+        for step, batch in enumerate(batches):
+            torch.manual_seed(options["seed"] + 7919 * (step + 1))  # the same gate noise for every setup
+            x, y = (t.to(engine.device, dtype) for t in batch)
+            synchronize()
+            start = time.perf_counter()
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.detach().float().item())
+        return {
+            "losses": losses,
+            "step_s": times,
+            "allocated_after_build": built,
+            "max_memory_allocated": torch.cuda.max_memory_allocated() - base if cuda else None,
+        }
+    finally:
+        engine.destroy()
+
+
+def _rank(rank: int, world_size: int, keys: list[str], options: dict) -> dict[str, dict]:
+    """Every setup in turn on this rank, each result also sent as it is done (an exception fails that setup only)."""
+    from flatgrad.testing.deepspeed_rank import init_deepspeed
+    from flatgrad.testing.launch import send_message
+
+    init_deepspeed(rank, world_size, options["device"])
+    results = {}
+    for key in keys:
+        try:
+            results[key] = _setup(rank, world_size, key, options)
+        except Exception as exc:  # noqa: BLE001 - a failed setup is a result; the others still run
+            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        send_message((key, results[key]))
+    return results
 
 
 def _compare(stock: list[list[float]], mine: list[list[float]]) -> float:
@@ -135,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
         os.environ["DS_ACCELERATOR"] = "cpu"  # read by DeepSpeed when the spawned ranks import it
     rtol = args.rtol if args.rtol is not None else _RTOL[args.dtype]
     doc: dict[str, Any] = {
-        "benchmark": "gpu_zero_step",
+        "benchmark": "zero_step",
         "device": args.device,
         "world_size": world_size,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
@@ -144,31 +167,46 @@ def run(args: argparse.Namespace) -> dict:
         "setups": {},
         "pairs": [],
     }
+    keys = [key for _, stock_key, flatgrad_key in _PAIRS for key in (stock_key, flatgrad_key)]
+    models = {key: list(_model_for(pair, world_size)) for pair, *pair_keys in _PAIRS for key in pair_keys}
+    options = {"device": args.device, "steps": args.steps, "dtype": args.dtype, "micro_batch": args.micro_batch,
+               "bucket": args.bucket, "lr": args.lr, "seed": args.seed, "models": models}  # fmt: skip
+    print(f"zero_step: {', '.join(keys)} on {world_size} {args.device} rank(s)", flush=True)
+    arrived: dict[str, dict[int, dict]] = {key: {} for key in keys}
+    started = time.perf_counter()
+
+    def on_message(rank: int, message: tuple[str, dict]) -> None:
+        key, result = message
+        arrived[key][rank] = result
+        if len(arrived[key]) == world_size:
+            print(f"zero_step: {key} done at {time.perf_counter() - started:.1f} s", flush=True)
+
+    failure = None
+    try:
+        launch.run_ranks(
+            _rank, world_size, keys, options, backend="nccl" if cuda else "gloo", start_method="spawn",
+            timeout=args.timeout, pg_timeout=timedelta(seconds=min(args.timeout, 120.0)), preload=[],
+            on_message=on_message,
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the setups not finished are failures, the finished ones stand
+        failure = f"{type(exc).__name__}: {exc}"
+    for key in keys:
+        model = models[key]
+        entry: dict[str, Any] = {"model": model[0], "model_kwargs": model[1]}
+        per_rank = [arrived[key].get(r) for r in range(world_size)]
+        errors = [r["error"] for r in per_rank if r is not None and "error" in r]
+        if errors or any(r is None for r in per_rank):
+            entry.update(ok=False, error=errors[0] if errors else f"not finished: {failure}")
+        else:
+            entry.update(
+                ok=True,
+                losses=[r["losses"] for r in per_rank],
+                step_s=[r["step_s"] for r in per_rank],
+                allocated_after_build=max(r["allocated_after_build"] or 0 for r in per_rank) if cuda else None,
+                max_memory_allocated=max(r["max_memory_allocated"] for r in per_rank) if cuda else None,
+            )
+        doc["setups"][key] = entry
     for pair, stock_key, flatgrad_key in _PAIRS:
-        model = _model_for(pair, world_size)
-        options = {"device": args.device, "steps": args.steps, "dtype": args.dtype, "micro_batch": args.micro_batch,
-                   "bucket": args.bucket, "lr": args.lr, "seed": args.seed, "model": list(model)}  # fmt: skip
-        for key in (stock_key, flatgrad_key):
-            print(f"gpu_zero_step: {key} on {world_size} {args.device} rank(s), model {model[0]} {model[1] or ''}",
-                  flush=True)
-            started = time.perf_counter()
-            entry: dict[str, Any] = {"model": model[0], "model_kwargs": model[1]}
-            try:
-                per_rank = launch.run_ranks(
-                    _rank, world_size, key, options, backend="nccl" if cuda else "gloo", start_method="spawn",
-                    timeout=args.timeout, pg_timeout=timedelta(seconds=min(args.timeout, 120.0)), preload=[],
-                )  # fmt: skip
-                entry.update(
-                    ok=True,
-                    losses=[r["losses"] for r in per_rank],
-                    step_s=[r["step_s"] for r in per_rank],
-                    allocated_after_build=max(r["allocated_after_build"] for r in per_rank),
-                    max_memory_allocated=max(r["max_memory_allocated"] for r in per_rank) if cuda else None,
-                )
-            except Exception as exc:  # noqa: BLE001 - a failed setup is a result; the others still run
-                entry.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-            entry["wall_s"] = time.perf_counter() - started
-            doc["setups"][key] = entry
         stock, mine = doc["setups"][stock_key], doc["setups"][flatgrad_key]
         verdict: dict[str, Any] = {"pair": pair, "stock": stock_key, "flatgrad": flatgrad_key, "rtol": rtol}
         if stock["ok"] and mine["ok"]:
@@ -214,7 +252,7 @@ def format_table(doc: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (importable without DeepSpeed or a GPU)."""
-    parser = argparse.ArgumentParser(prog="gpu_zero_step", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m flatgrad.check.zero_step", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda: one NCCL rank per visible GPU (default); "
                              "cpu: --world-size gloo ranks, no memory figures")
@@ -227,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="weights, batches and gate noise derive from it")
     parser.add_argument("--rtol", type=float, help="largest relative loss difference that passes "
                         f"(default {_RTOL['fp32']:g} for fp32, {_RTOL['bf16']:g} for bf16)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=150.0, help="seconds per setup before its ranks are killed")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds for all setups before the ranks are killed (default 300)")
     parser.add_argument("--out", help="write the JSON here")
     return parser
 
@@ -236,12 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run, print the table, write the JSON; exit status 1 when a setup failed or a pair's losses differ."""
     args = build_parser().parse_args(argv)
     if args.steps < 2:
-        print("gpu_zero_step: --steps must be >= 2 (the first loss does not depend on the gradients)", file=sys.stderr)
+        print("zero_step: --steps must be >= 2 (the first loss does not depend on the gradients)", file=sys.stderr)
         return 2
     try:
         doc = run(args)
     except RuntimeError as exc:
-        print(f"gpu_zero_step: {exc}", file=sys.stderr)
+        print(f"zero_step: {exc}", file=sys.stderr)
         return 2
     print(format_table(doc))
     if args.out:

@@ -1,4 +1,4 @@
-"""The wire kernels on a device against the torch reference on the same device, bit for bit: gpu_check's ``wire`` step.
+"""The wire kernels on a device against the torch reference on the same device, bit for bit: the check's ``wire`` step.
 
 Every mode of the all_to_all reduction (see ``flatgrad/kernels/wire.py``) on
 every backend given (default ``cuda`` and ``triton``):
@@ -14,10 +14,10 @@ every backend given (default ``cuda`` and ``triton``):
 Codes, scales, residuals and outputs must equal the reference's bitwise (every
 NaN counted as one, as in ``tests/test_wire.py``); stats agree as the tests'
 rule says (sum of squares to fp32 rounding, the count exactly). Prints one
-line per backend and mode, then one JSON line (the figures gpu_check reads);
+line per backend and mode, then one JSON line (the figures ``flatgrad check`` reads);
 exit status 1 on any difference or when no backend could run.
 
-``python bench/gpu_wire_check.py [--device cuda] [--backends cuda,triton] [--quick]``
+``python -m flatgrad.check.wire [--device cuda] [--backends cuda,triton] [--quick]``
 (``--device cpu --backends cpu`` runs it anywhere, as its test does).
 """
 
@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's flatgrad
+__all__ = ["build_parser", "run", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpu_wire_check", description=__doc__.splitlines()[0])
+    """The command line (importable without a GPU)."""
+    parser = argparse.ArgumentParser(prog="python -m flatgrad.check.wire", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="where the tensors live (default cuda)")
     parser.add_argument("--backends", default="cuda,triton", help="comma-separated wire backends (default cuda,triton)")
     parser.add_argument("--quick", action="store_true", help="smaller shards")
@@ -55,7 +55,7 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return torch.equal(a, b)
 
 
-def _stats_agree(a, b) -> bool:
+def _stats_agree(a: object, b: object) -> bool:
     if a is None or b is None:
         return a is b
     sum_a, sum_b = float(a.sum_sq), float(b.sum_sq)
@@ -74,6 +74,7 @@ def _gradients(n: int, dtype: torch.dtype, device: torch.device, seed: int, nonf
 
 
 def run(device: torch.device, backends: list[str], quick: bool) -> dict:
+    """Every wire mode on every backend against the reference; the figures (``ok``, cases, mismatches)."""
     from flatgrad import Layout
     from flatgrad.kernels import wire
     from flatgrad.kernels.wire_reference import wire_views
@@ -179,6 +180,7 @@ def run(device: torch.device, backends: list[str], quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run, print the JSON line; exit status 1 on a difference or when nothing could run."""
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
