@@ -20,7 +20,7 @@ _LAYERS = [
     ("comm",),
     ("reducer",),
     ("integrations", "deepspeed"),
-    ("planner", "bench", "demo", "testing", "cli", "__main__"),
+    ("planner", "bench", "demo", "testing", "check", "cli", "__main__"),
 ]
 
 

@@ -55,7 +55,7 @@ def _backend_param(name: str):
 BACKEND_PARAMS = [_backend_param(name) for name in CANDIDATES]
 # Largest buffer per generated case, and examples per hypothesis test.
 MAX_NUMEL = {"interpreted": 100_000, "compiled": 400_000}
-# FLATGRAD_TEST_EXAMPLES overrides the compiled backends' count (bench/gpu_check.py --quick lowers it).
+# FLATGRAD_TEST_EXAMPLES overrides the compiled backends' count (the GPU check, flatgrad/check/plan.py, lowers it).
 EXAMPLES = {"interpreted": 10, "compiled": int(os.environ.get("FLATGRAD_TEST_EXAMPLES", "100"))}
 
 

@@ -69,7 +69,7 @@ def bench_figures(path: str, device: str = "cuda") -> dict[str, Any]:
 
 
 def zero_figures(path: str) -> dict[str, Any]:
-    """The pairs' verdicts and each setup's losses and memory, from ``bench/gpu_zero_step.py --out`` JSON."""
+    """The pairs' verdicts and each setup's losses and memory, from ``python -m flatgrad.check.zero_step --out`` JSON."""
     with open(path) as f:
         doc = json.load(f)
     setups = {
