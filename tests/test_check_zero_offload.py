@@ -27,7 +27,9 @@ def test_every_offload_config_matches_stock_on_cpu(tmp_path) -> None:
     assert result.returncode == 0 and not failed, (failed, result.stdout[-3000:], result.stderr[-3000:])
     names = [c["name"] for c in doc["configs"]]
     assert names == [c["name"] for c in zero_offload.configs("cpu")]
-    assert {"zero2-pinned-moe-fp32", "zero2-pageable-dense-bf16", "zero3-cpu-dense-fp32"} <= set(names)
+    assert {"zero2-pinned-moe-fp32", "zero2-pageable-moe-fp32", "zero2-pinned-dense-bf16", "zero3-cpu-dense-fp32",
+            "zero3-cpu-dense-bf16"} <= set(names)
+    assert names[0].startswith("zero3-")  # the staged transfer first: what most needs a GPU
     for c in doc["configs"]:
         assert c["took_over"] is True, c["name"]
         stock, flat = c["losses"]["stock"], c["losses"]["flatgrad"]
@@ -39,7 +41,7 @@ def test_every_offload_config_matches_stock_on_cpu(tmp_path) -> None:
 
 def test_a_loss_past_the_tolerance_or_no_takeover_fails_the_config() -> None:
     config = zero_offload.configs("cpu")[0]
-    assert config["dtype"] == "fp32"
+    assert config["dtype"] == "fp32" and config["stage"] == 3
     stock = {"losses": [1.0, 0.5, 0.25], "peak": None}
     close = zero_offload.verdict(config, {"stock": stock, "flatgrad": {"losses": [1.0, 0.5, 0.25 * (1 + 5e-7)],
                                                                         "took_over": True}})  # fmt: skip

@@ -360,3 +360,38 @@ def test_offload_step_casts_into_stocks_bit16_host_buffers_then_copies_them_non_
             for k, (bit16, staging, master) in enumerate(zip(step["bit16"], step["staging"], step["masters"])):
                 assert into.get(staging) == (master, False), (k, step["calls"])
                 assert into.get(bit16) == (staging, True), (k, step["calls"])
+
+
+def _stale_overflow_rank(rank: int, world_size: int) -> dict:
+    """A window whose stats are stale (a finite gradient written through DeepSpeed's API), one of whose backwards
+    overflows on rank 0: the optimizer's overflow check, asked before each step, and the steps skipped."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_grad
+
+    cfg = _offload_config(2, 1, world_size, 0.0, True, dtype="bf16")
+    cfg["bf16"]["check_grad_overflow"] = True
+    engine = _engine("flatgrad", cfg)
+    first = next(engine.module.parameters())
+    overflow, skipped = [], []
+    for k, (x, y) in enumerate(make_batches(rank, 4, 2, D_IN, D_OUT)):
+        loss = engine(x.bfloat16(), y.bfloat16())
+        engine.backward(loss * float("inf") if k == 2 and rank == 0 else loss)
+        # A finite gradient written into the first parameter: the window's stats are stale, and the overflow
+        # of step 2 is only in the other parameters' partitions.
+        safe_set_full_grad(first, torch.full_like(safe_get_full_grad(first), 0.5))
+        overflow.append(engine.optimizer.has_overflow())
+        before = engine.skipped_steps
+        engine.step()
+        skipped.append(engine.skipped_steps > before)
+    finite = all(torch.isfinite(safe_get_full_fp32_param(p)).all() for p in engine.module.parameters())
+    return {"overflow": overflow, "skipped": skipped, "finite": bool(finite)}
+
+
+@pytest.mark.timeout(200)
+def test_offload_overflow_is_caught_without_usable_stats():
+    """Under offload stock's overflow check reads a flag its own per-parameter host copies set; flatgrad makes
+    none, so where the unpack stats cannot serve (a stale window) the flag comes from the host partitions, on every
+    rank; the flag starts again after each step, as stock resets it."""
+    for rank, out in enumerate(launch(_stale_overflow_rank, 2, timeout=180)):
+        assert out["overflow"] == [False, False, True, False], (rank, out)
+        assert out["skipped"] == [False, False, True, False], (rank, out)
+        assert out["finite"], rank

@@ -130,6 +130,12 @@ def test_losses_match_stock(small_run):
         assert all(ls[0] != ls[1] for ls in row["losses"]), "the weights must change between steps"
     assert rows["stock_zero2"]["losses"] != rows["stock_zero3"]["losses"]  # different models: not compared
     assert rows["flatgrad_zero2"]["max_loss_diff"] <= 1e-5
+    # Judged against stock's own spread between its two ZeRO-2 methods, which depends on the machine's gloo.
+    spread = rows["stock_zero2_reduce"]["max_loss_diff"]
+    for key in ("flatgrad_zero2", "flatgrad_zero2_exact", "flatgrad_zero2_2d", "flatgrad_zero2_offload"):
+        assert rows[key]["stock_spread"] == spread and rows[key]["within_stock_spread"], (key, rows[key], spread)
+    assert rows["flatgrad_zero3"]["stock_spread"] is None and rows["stock_zero2"]["stock_spread"] is None
+    assert "vs stock spread" in text and "the spread" in text
     # ZeRO-Offload: flatgrad's reduction into the host partitions against stock's offload, same calls as without.
     offload = rows["flatgrad_zero2_offload"]
     assert offload["reference"] == "stock_zero2_offload" and offload["max_loss_diff"] <= 1e-5
@@ -165,11 +171,42 @@ def test_summary_compares_each_row_with_its_reference():
     ]
     rows = {r["key"]: r for r in report.summarize(setups, per_rank)["rows"]}
     assert rows["flatgrad_zero2"]["max_loss_diff"] == 0.25 and rows["stock_zero2"]["max_loss_diff"] == 0.0
+    assert rows["flatgrad_zero2"]["stock_spread"] is None  # no reduce-mode row: no spread to judge by
     assert rows["flatgrad_zero2"]["sent_mb_per_rank"] == pytest.approx(8 * 4 * (1 / 2) / 1e6)  # (W-1)/W of 32 bytes
     assert rows["flatgrad_zero2"]["peak_mb_per_rank"] == 2.0 and rows["flatgrad_zero2"]["peak_x_reference"] == 1.0
     per_rank[1] = measurements({"stock_zero2": [2.0, 1.0], "flatgrad_zero2": [2.0, 1.0]}, reductions=2)
     with pytest.raises(RuntimeError, match="reductions per backward differs"):
         report.summarize(setups, per_rank)
+
+
+def test_flatgrad_rows_are_judged_against_stocks_own_spread():
+    """A flatgrad ZeRO-2 row within stock's spread between its two methods passes on any machine; one above it
+    is reported with the multiple; ZeRO-3 rows have no spread to be judged by."""
+    setups = by_key(["stock_zero2_reduce", "flatgrad_zero2", "flatgrad_zero2_int8", "flatgrad_zero3"])
+
+    def measurements(losses_by_setup):
+        call = ("backward", "reduce_scatter", 8, "float32", (0, 1), None)
+        steps = lambda losses: [  # noqa: E731
+            {"loss": loss, "forward": 0.1, "backward": 0.2, "optimizer": 0.1, "step": 0.4, "calls": [call]}
+            for loss in losses
+        ]
+        info = {"model": "seed-moe", "n_params": 10, "sub_groups": 2, "sub_groups_multi_rank": 2}
+        memory = {"peak_bytes": 2e6, "held_bytes": 1e6}
+        return {"setups": {k: {"info": info, "steps": steps(v), "memory": memory} for k, v in losses_by_setup.items()},
+                "zero3_refusal": None}  # fmt: skip
+
+    eps = 1.1920928955078125e-07
+    losses = {"stock_zero2": [1.0, 0.5], "stock_zero2_reduce": [1.0, 0.5 + eps], "flatgrad_zero2": [1.0, 0.5 + eps],
+              "flatgrad_zero2_int8": [1.0, 0.5 + 4 * eps], "stock_zero3": [2.0, 1.0], "flatgrad_zero3": [2.0, 1.0]}
+    summary = report.summarize(setups, [measurements(losses), measurements(losses)])
+    rows = {r["key"]: r for r in summary["rows"]}
+    spread = rows["stock_zero2_reduce"]["max_loss_diff"]
+    assert spread > 0 and rows["flatgrad_zero2"]["within_stock_spread"] is True
+    assert rows["flatgrad_zero2_int8"]["within_stock_spread"] is False and rows["flatgrad_zero3"]["stock_spread"] is None
+    cells = {line.split("  ")[0]: line.split()[-1] for line in report.text_table(summary, 2, "cpu").splitlines()
+             if "ZeRO" in line and "  " in line}  # fmt: skip
+    assert cells["flatgrad ZeRO-2"] == "within" and cells["stock ZeRO-2, reduce mode"] == "spread"
+    assert cells["flatgrad ZeRO-2, int8 + error feedback"] == "4x" and cells["flatgrad ZeRO-3"] == "-"
 
 
 @pytest.mark.parametrize(

@@ -601,6 +601,7 @@ def _bad_targets_rank(rank: int, world_size: int) -> list[str]:
         "count": good[:-1],
         "numel": [torch.zeros(layout.shard_numel + (rank == 1)) for layout in probe.layouts],
         "dtype": [t.long() for t in good],
+        "narrow": [t.bfloat16() for t in good],  # narrower than the fp32 accumulation: no room to widen into
         "arena": good,
     }
     errors = []
@@ -625,8 +626,9 @@ def _bad_targets_rank(rank: int, world_size: int) -> list[str]:
 def test_bad_shard_targets_are_refused_on_every_rank_naming_the_argument():
     results = run_ranks(_bad_targets_rank, 2, timeout=50)
     for rank, errors in enumerate(results):
-        count, numel, dtype, arena, deliver = errors
+        count, numel, dtype, narrow, arena, deliver = errors
         assert "shard_targets must be a list of" in count, count
+        assert "shard_targets[0] has dtype torch.bfloat16; a target has the accumulation dtype" in narrow, narrow
         # Only rank 1's targets are wrong: rank 0 raises too, having heard of it.
         assert "shard_targets[0]" in numel or "rank 1" in numel, (rank, numel)
         assert "dtype torch.int64" in dtype, dtype

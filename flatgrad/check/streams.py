@@ -171,11 +171,15 @@ class _Net:
                        for i, shape in enumerate(shapes.values())]  # fmt: skip
         self.dtype, self.device = dtype, device
 
-    def loss(self, params: Sequence[torch.Tensor], micro: int) -> torch.Tensor:
+    def inputs(self, micro: int) -> tuple[torch.Tensor, ...]:
+        """Micro-step ``micro``'s ``x``, ``g``, ``f`` on the device. Made before a check's sleep: a copy from
+        pageable host memory syncs the host with the stream, which would wait the sleep out."""
+        shapes = ((2, 24), (2, 5), (300,))
+        return tuple(_small_ints(shape, 100 * (k + 2) + micro, self.dtype).to(self.device) for k, shape in enumerate(shapes))
+
+    def loss(self, params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         w1, w2, b, e = params
-        x = _small_ints((2, 24), 200 + micro, self.dtype).to(self.device)
-        g = _small_ints((2, 5), 300 + micro, self.dtype).to(self.device)
-        f = _small_ints((300,), 400 + micro, self.dtype).to(self.device)
+        x, g, f = inputs
         return (((x @ w1) @ w2 + b) * g).sum() + (e * f).sum()
 
     def window_grads(self, micros: Sequence[int]) -> list[torch.Tensor]:
@@ -183,7 +187,7 @@ class _Net:
         twin = [p.detach().clone().requires_grad_(True) for p in self.params]
         total = [torch.zeros(p.shape) for p in self.params]
         for micro in micros:
-            for t, g in zip(total, torch.autograd.grad(self.loss(twin, micro), twin)):
+            for t, g in zip(total, torch.autograd.grad(self.loss(twin, self.inputs(micro)), twin)):
                 t += g.float().cpu()
         return total
 
@@ -223,9 +227,10 @@ def targets(cycles: int = SLEEP_CYCLES) -> list[dict[str, Any]]:
                 reducer, hosts = _reducer(net, accum, pinned)
                 for micro in range(2):
                     reducer.final_micro_step = micro == 1
+                    inputs = net.inputs(micro)
                     if micro == 1:
                         torch.cuda._sleep(cycles)  # the last backward's gradients come late
-                    net.loss(net.params, micro).backward()
+                    net.loss(net.params, inputs).backward()
                     reducer.finish()
                 got = [h.clone() for h in hosts]  # read at once: finish() must have waited for the delivery
                 want = _expected(reducer, net, range(2))
@@ -252,7 +257,7 @@ def deliver(cycles: int = SLEEP_CYCLES) -> list[dict[str, Any]]:
     try:
         net = _Net(torch.bfloat16, torch.device("cuda"))
         reducer, hosts = _reducer(net, torch.bfloat16, True)
-        net.loss(net.params, 0).backward()
+        net.loss(net.params, net.inputs(0)).backward()
         reducer.finish()  # final_micro_step left False: nothing delivered yet
         shards = reducer.grad_shards()
         torch.cuda._sleep(cycles)

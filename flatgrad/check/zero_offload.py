@@ -44,18 +44,25 @@ _STEPS, _GAS = 3, 2
 
 
 def configs(device: str, quick: bool = False) -> list[dict[str, Any]]:
-    """The configs, by name: stage, model, dtype, pinning (None: DeepSpeed's default), ZeRO-3's kernel backend."""
-    found = []
-    for model in ("dense", "moe"):
-        for pin in (True, False):
-            for dtype in ("fp32", "bf16") if model == "dense" and not quick else ("fp32",):
-                name = f"zero2-{'pinned' if pin else 'pageable'}-{model}-{dtype}"
-                found.append(dict(name=name, stage=2, model=model, dtype=dtype, pin=pin, backend=None))
-    backends = ("cuda", "triton") if device == "cuda" else ("cpu",)
-    for backend in backends:
-        for dtype in ("fp32", "bf16") if backend != "triton" and not quick else ("fp32",):
-            found.append(dict(name=f"zero3-{backend}-dense-{dtype}", stage=3, model="dense", dtype=dtype, pin=None,
-                              backend=backend))  # fmt: skip
+    """The configs, by name: stage, model, dtype, pinning (None: DeepSpeed's default), ZeRO-3's kernel backend.
+
+    In running order, the ones that most need a GPU first (a step cut short keeps them): ZeRO-3's staged
+    transfer with a forced GPU backend, then ZeRO-2 offload with clipping, dense and MoE, pinned and pageable,
+    then the bf16 cases.
+    """
+    zero3 = [("cuda", "fp32"), ("triton", "fp32")] if device == "cuda" else [("cpu", "fp32")]
+    zero2 = [(model, pin, "fp32") for model in ("dense", "moe") for pin in (True, False)]
+    if not quick:
+        zero2.append(("dense", True, "bf16"))
+        zero3_bf16 = [(zero3[0][0], "bf16")]
+    else:
+        zero3_bf16 = []
+    found = [dict(name=f"zero3-{backend}-dense-{dtype}", stage=3, model="dense", dtype=dtype, pin=None,
+                  backend=backend) for backend, dtype in zero3]  # fmt: skip
+    found += [dict(name=f"zero2-{'pinned' if pin else 'pageable'}-{model}-{dtype}", stage=2, model=model, dtype=dtype,
+                   pin=pin, backend=None) for model, pin, dtype in zero2]  # fmt: skip
+    found += [dict(name=f"zero3-{backend}-dense-{dtype}", stage=3, model="dense", dtype=dtype, pin=None,
+                   backend=backend) for backend, dtype in zero3_bf16]  # fmt: skip
     return found
 
 

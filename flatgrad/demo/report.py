@@ -23,6 +23,12 @@
   after those two steps.
 * ``max_loss_diff``: the largest ``|loss - reference loss|`` over ranks and
   steps, the reference being the stock row of the same stage.
+* ``stock_spread``: stock's own ``max_loss_diff`` between its two ZeRO-2
+  methods (all_reduce and reduce mode). gloo chooses its summation order per
+  machine, so two stock runs differ by 0 on one machine and by an fp32
+  rounding on another; a flatgrad ZeRO-1/2 row is judged against that spread
+  (``within_stock_spread``), which holds on any machine where a bitwise
+  comparison does not.
 """
 
 from __future__ import annotations
@@ -109,10 +115,39 @@ def summarize(setups: Sequence[Setup], per_rank: list[Mapping[str, Any]]) -> dic
         row["backward_x_reference"] = row["backward_ms"] / ref["backward_ms"]
         row["step_x_reference"] = row["step_ms"] / ref["step_ms"]
         row["peak_x_reference"] = row["peak_mb_per_rank"] / ref["peak_mb_per_rank"]
+    spread = stock_spread(rows)
+    for row in rows.values():
+        judged = spread is not None and row["flatgrad"] and row["stage"] <= 2
+        row["stock_spread"] = spread if judged else None
+        row["within_stock_spread"] = row["max_loss_diff"] <= spread if judged else None
     return {
         "rows": [rows[s.key] for s in setups],
         "zero3_refusal": per_rank[0].get("zero3_refusal"),
     }
+
+
+def stock_spread(rows: Mapping[str, Mapping[str, Any]]) -> float | None:
+    """Stock's own loss spread: the largest loss difference between its two ZeRO-2 methods (``None`` without both).
+
+    Stock's all_reduce and its reduce mode add the ranks' gradients in orders that gloo
+    chooses per machine, so two stock runs differ by a machine-dependent rounding: the
+    yardstick a flatgrad ZeRO-1/2 row is judged by. See [Note: demo figures].
+    """
+    reduce_mode = rows.get("stock_zero2_reduce")
+    if reduce_mode is None or reduce_mode["reference"] not in rows:
+        return None
+    return reduce_mode["max_loss_diff"]
+
+
+def _spread_cell(row: Mapping[str, Any]) -> str:
+    if row["key"] == "stock_zero2_reduce":
+        return "the spread"
+    spread = row.get("stock_spread")
+    if spread is None:
+        return "-"
+    if row["within_stock_spread"]:
+        return "within"
+    return f"{row['max_loss_diff'] / spread:.0f}x" if spread > 0 else "above"
 
 
 def _fmt_ms(ms: float) -> str:
@@ -132,6 +167,9 @@ def footnotes(summary: Mapping[str, Any], world_size: int) -> list[str]:
         "times: slowest rank per step, median over the steps after the first; step = forward + backward + "
         "optimizer step. opt calls: collectives of the optimizer step (norms, the parameter all_gather).",
         "max |dloss|: largest loss difference from the stock row of the same stage, over ranks and steps.",
+        "vs stock spread: a flatgrad ZeRO-1/2 row's max |dloss| against stock's own, between its two ZeRO-2 "
+        "methods (the reduce mode row): within it, or how many times it. gloo's summation order depends on the "
+        "machine, so stock's two methods differ by 0 on one machine and by an fp32 rounding on another.",
     ]
     flat2 = next((r for r in rows if r["key"] == "flatgrad_zero2"), None)
     if flat2 is not None:
@@ -157,7 +195,7 @@ def text_table(summary: Mapping[str, Any], world_size: int, device: str, machine
     """The side-by-side table with its footnotes."""
     header = (
         "setup", "model", "params", "calls", "MB/rank", "peak MB/rank", "bwd+reduce ms", "step ms", "opt calls",
-        "max |dloss|",
+        "max |dloss|", "vs stock spread",
     )  # fmt: skip
     lines = []
     for r in summary["rows"]:
@@ -173,6 +211,7 @@ def text_table(summary: Mapping[str, Any], world_size: int, device: str, machine
             _fmt_ms(r["step_ms"]) + ("" if ref else f" ({r['step_x_reference']:.2f}x)"),
             str(r["step_collectives"]),
             "reference" if ref else ("0 (equal)" if r["max_loss_diff"] == 0 else f"{r['max_loss_diff']:.2e}"),
+            _spread_cell(r),
         ))  # fmt: skip
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
 

@@ -252,7 +252,7 @@ class BucketReducer:
             self.mode = make_mode(config, self.world_size, self.topology)
             specs = self._describe_buckets(buckets, register_hooks)
             offsets = arena_offsets(shard_arena, [s.layout for s in specs], [s.device for s in specs])
-            check_targets(shard_targets, [s.layout for s in specs], shard_arena)
+            check_targets(shard_targets, [s.layout for s in specs], shard_arena, config.accum_dtype)
             description = [s.description for s in specs]
         except Exception as exc:  # exchanged below so that every rank raises, then re-raised
             local_error = exc

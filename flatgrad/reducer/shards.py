@@ -156,6 +156,8 @@ class TargetShards(ShardStore):
         if self.in_place[b.id] or self._delivered[b.id] or b.shard is None:
             return
         target, shard = self.targets[b.id], b.shard
+        if shard.is_cuda:  # dropped below, maybe on a stream other than the one it was allocated on
+            shard.record_stream(torch.cuda.current_stream(shard.device))
         if not self.to_host[b.id]:
             target.copy_(shard)
         else:
@@ -165,7 +167,6 @@ class TargetShards(ShardStore):
                 into = target.view(torch.uint8).narrow(0, 0, shard.numel() * shard.element_size()).view(shard.dtype)
                 self._widen.append((target, shard.dtype))
             into.copy_(shard, non_blocking=self.pinned[b.id])
-            shard.record_stream(stream)
             if self.pinned[b.id] and all(s != stream for s in self._streams):
                 self._streams.append(stream)
         self.copies += 1
@@ -244,8 +245,11 @@ def arena_offsets(order: Sequence[int] | None, layouts: Sequence, devices: Seque
     return [starts[position] for position in order]
 
 
-def check_targets(targets: Sequence[torch.Tensor] | None, layouts: Sequence, order: Sequence[int] | None) -> None:
-    """Validate ``shard_targets`` before any rank allocates: one dense float tensor of the shard's size per bucket."""
+def check_targets(
+    targets: Sequence[torch.Tensor] | None, layouts: Sequence, order: Sequence[int] | None, accum_dtype: torch.dtype
+) -> None:
+    """Validate ``shard_targets`` before any rank allocates: one dense float tensor of the shard's size per bucket,
+    of the accumulation dtype or one at least twice as wide (a delivery widens the accumulated shard in place)."""
     if targets is None:
         return
     if order is not None:
@@ -262,6 +266,12 @@ def check_targets(targets: Sequence[torch.Tensor] | None, layouts: Sequence, ord
             )
         if not t.is_floating_point():
             raise ValueError(f"shard_targets[{b}] has dtype {t.dtype}; a gradient target is a float tensor")
+        wide = torch.empty((), dtype=accum_dtype).element_size()
+        if t.dtype != accum_dtype and t.element_size() < 2 * wide:
+            raise ValueError(
+                f"shard_targets[{b}] has dtype {t.dtype}; a target has the accumulation dtype ({accum_dtype}) or one at "
+                "least twice as wide"
+            )
 
 
 def make_store(

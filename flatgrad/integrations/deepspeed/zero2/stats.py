@@ -32,7 +32,7 @@ import torch
 from ..step_stats import StepStats
 from .stock_norm import StockNorm
 
-__all__ = ["Zero2StepStats", "group_squared_norms"]
+__all__ = ["Zero2StepStats", "group_squared_norms", "partitions_overflow"]
 
 
 class Zero2StepStats:
@@ -92,8 +92,16 @@ class Zero2StepStats:
         return self._window.reduced(build, all_reduce)
 
     def has_overflow(self, partition_gradients: bool = True) -> bool:
-        """Replaces ``has_overflow``: any inf/nan in any rank's partitions, from the unpack stats."""
+        """Replaces ``has_overflow``: any inf/nan in any rank's partitions, from the unpack stats.
+
+        Without usable stats it is stock's check. Under offload stock's reads ``local_overflow``,
+        which its own per-parameter host copies set; flatgrad makes none, so the flag is first
+        set from the host partitions themselves.
+        """
         if not self._stats_usable() or self.partitions is None:
+            if self.offload and self.partitions is not None:
+                o = self.optimizer
+                o.local_overflow = bool(o.local_overflow) or partitions_overflow([p.flat_partition for p in self.partitions])
             return self._stock_has_overflow(partition_gradients)
         return StepStats.overflow(self._reduced_stats()[-1])
 
@@ -194,3 +202,9 @@ def group_squared_norms(groups: Sequence[Sequence[torch.Tensor]], device: torch.
         else:
             sums.append(torch.zeros((), dtype=torch.float32, device=device))
     return torch.stack(sums)
+
+
+def partitions_overflow(partitions: Sequence[torch.Tensor]) -> bool:
+    """Whether any of this rank's partitions holds an inf or a NaN (one host read per device)."""
+    flags = [(~torch.isfinite(p)).any() for p in partitions if p.numel()]
+    return bool(torch.stack([f.cpu() for f in flags]).any()) if flags else False

@@ -100,6 +100,8 @@ class Zero2Step:
                 o._global_grad_norm = float("inf")
             o.zero_grad(set_to_none=True)
             o._release_preflattened_grad_buffers()
+            if self.offload:
+                o.reset_cpu_buffers()  # stock's: the offload norms and overflow flag start again
             for k in o.averaged_gradients.keys():
                 o.averaged_gradients[k] = None
                 o.all_grad_tensors[k] = None
@@ -139,6 +141,8 @@ class Zero2Step:
         else:
             self._copy_to_bit16()
         self.release()  # the partitions are consumed: free them before the all_gather, as stock frees its grads
+        if self.offload:
+            o.reset_cpu_buffers()  # stock's, after its offload update: the norms and the overflow flag start again
         o.timers(OPTIMIZER_STEP_TIMER).stop()
 
         o.timers(OPTIMIZER_ALLGATHER_TIMER).start()
