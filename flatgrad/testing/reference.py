@@ -76,13 +76,13 @@ def reference_gradients(
 def gradient_bound(magnitude: torch.Tensor, world_size: int, micro_steps: int, dtype: torch.dtype) -> float:
     """An upper bound on ``||g - mean||`` for a gradient reduced and accumulated in ``dtype``.
 
-    The engine's value of each element is a sum of the same ``W * micro_steps`` terms as the reference's (each
-    rank's micro-batch gradients are the reference's bitwise: the same ops on the same weights), formed
-    by ``W - 1`` additions in the reduction, ``micro_steps - 1`` additions across micro-steps, and at most one
-    more rounding where a partial sum is stored in the gradients' dtype (a wider sum narrowed). The
-    scales 1/W and 1/gradient_accumulation_steps are powers of two here, so exact. Recursive summation of terms along paths of at
-    most ``n`` roundings errs by at most ``gamma_n * sum|x_i|``, ``gamma_n = n u / (1 - n u)``, per
-    element, hence in norm by ``gamma_n * ||magnitude||``.
+    The engine's value of each element is a sum of the same ``W * micro_steps`` terms as the reference's
+    (each rank's micro-batch gradients are the reference's bitwise: the same ops on the same weights),
+    formed by ``W - 1`` additions in the reduction, ``micro_steps - 1`` additions across micro-steps, and
+    at most one more rounding where a partial sum is stored in the gradients' dtype (a wider sum
+    narrowed). The scales 1/W and 1/gradient_accumulation_steps are powers of two here, so exact.
+    Recursive summation along paths of at most ``n`` roundings errs by at most ``gamma_n * sum|x_i|``,
+    ``gamma_n = n u / (1 - n u)``, per element, hence in norm by ``gamma_n * ||magnitude||``.
     """
     u = UNIT_ROUNDOFF[dtype]
     n = (world_size - 1) + (micro_steps - 1) + 1
