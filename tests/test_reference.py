@@ -161,6 +161,8 @@ TWO_RANK_CELLS = [
     Cell("checkpoint, reentrant", "reentrant", 2, gas=2, backwards=2),
     Cell("checkpoint, non-reentrant", "non_reentrant", 2, gas=2, backwards=2),
     Cell("frozen, unused, tied", "frozen_unused_tied", 2, gas=2, backwards=2),
+    Cell("ZeRO-1: accumulation 2", "mlp", 2, gas=2, backwards=2, stage=1),
+    Cell("ZeRO-1: two backwards, one step() (accumulation 1)", "mlp", 2, backwards=2, stage=1),
     Cell("ZeRO-3: submodule used twice", "twice", 2, dtype="bf16", stage=3),
     Cell("ZeRO-3: accumulation 2", "mlp", 2, gas=2, backwards=2, stage=3),
     Cell("ZeRO-3: two backwards, one step() (accumulation 1)", "mlp", 2, backwards=2, stage=3),
@@ -397,7 +399,7 @@ def test_one_rank_engines_give_the_reference_gradient_bitwise():
 @pytest.mark.timeout(240)
 def test_reference_matrix_two_ranks():
     """bf16 twice-used submodule, accumulation, two backwards per step, CPU offload, checkpointing,
-    frozen/unused/tied parameters; ZeRO-2, and ZeRO-3 for two of them."""
+    frozen/unused/tied parameters; ZeRO-2, and ZeRO-1 and ZeRO-3 for some of them."""
     _check(TWO_RANK_CELLS, launch(_cells_rank, 2, TWO_RANK_CELLS, timeout=230))
 
 
