@@ -103,7 +103,7 @@ class Cell:
     world_size: int
     dtype: str = "fp32"
     gas: int = 1
-    # Backwards per optimizer step; more than ``gas`` means several ``engine.backward`` before one ``step()``.
+    # Backwards per optimizer step. More than ``gas``, or unmanaged: several ``engine.backward`` before one ``step()``.
     backwards: int = 1
     optimizer: str = "SGD"
     zero: tuple = ()
@@ -112,6 +112,11 @@ class Cell:
     # ``managed_gradient_accumulation: false``: the caller's ``step()`` is the boundary; the reduced gradient is
     # finalized inside ``step()``, so only the weights are read (SGD: they carry the gradient, times lr).
     managed: bool = True
+
+    def __post_init__(self) -> None:
+        # The bounds take the scales 1/W and 1/gas as exact: powers of two.
+        for n in (self.world_size, self.gas):
+            assert n & (n - 1) == 0, self
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -223,7 +228,14 @@ class _Reference:
         self.optimizer = cell.reference_optimizer(shapes)
         self.twin = cell.reference_optimizer(shapes)
 
-    def compare(self, weights, masters, window, grads, after) -> dict:
+    def compare(
+        self,
+        weights: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        window: list[list[tuple[torch.Tensor, torch.Tensor]]],
+        grads: list[torch.Tensor] | None,
+        after: list[torch.Tensor],
+    ) -> dict:
         """This step's numbers: the engine's gradient and weights against the exact step from ``weights``.
 
         ``grads`` is None where the engine's reduced gradient cannot be read before ``step()``.
