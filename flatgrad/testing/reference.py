@@ -107,8 +107,8 @@ class ReferenceOptimizer:
     measure how much the optimizer moves the weights for a given gradient difference.
     """
 
-    def __init__(self, numels: Sequence[torch.Size], factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]):
-        self.params = [torch.zeros(shape, dtype=torch.float64, requires_grad=True) for shape in numels]
+    def __init__(self, shapes: Sequence[torch.Size], factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]):
+        self.params = [torch.zeros(shape, dtype=torch.float64, requires_grad=True) for shape in shapes]
         self.optimizer = factory(self.params)
 
     def step(self, weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
