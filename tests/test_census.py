@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flatgrad.kernels import compiled
-from flatgrad.testing.census import MemoryCensus, cpu_memory_available
+from flatgrad.testing.census import MemoryCensus, cpu_memory_available, describe
 
 
 @pytest.mark.skipif(bool(cpu_memory_available()), reason=cpu_memory_available() or "census available")
@@ -19,6 +19,24 @@ def test_the_census_counts_a_tensor_while_it_lives_and_its_peak():
     assert census.at("held") == 1 << 20
     assert census.at("freed") == 0
     assert census.peak >= 1 << 20
+
+
+@pytest.mark.skipif(bool(cpu_memory_available()), reason=cpu_memory_available() or "census available")
+def test_blocks_born_between_marks_are_listed_and_named_by_their_tensors():
+    """What is live, not only how much: the blocks born between two marks, each named by the tensor holding it."""
+    with MemoryCensus("cpu") as census:
+        kept = torch.empty(1000, dtype=torch.float32)
+        census.mark("start", blocks=True)
+        held, gone = torch.empty(7, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.uint8)
+        del gone
+        census.mark("end", blocks=True)
+        born = census.born("end", "start")
+        named = describe(born)
+    assert list(born.values()) == [14], born
+    assert named == ["14 B: (7,) bfloat16"], named
+    assert kept.untyped_storage().data_ptr() in census.blocks["start"] and held.numel() == 7
+    with pytest.raises(ValueError, match="counting CPU allocator"):
+        MemoryCensus("cuda").mark("x", blocks=True)
 
 
 def test_the_kernel_extension_carries_no_counting_allocator():

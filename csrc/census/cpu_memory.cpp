@@ -15,6 +15,7 @@
 //   install() -> None                idempotent
 //   stats() -> (allocated, peak)     bytes
 //   reset_peak() -> None             peak := allocated
+//   blocks() -> [(address, nbytes)]  every counted block live now (a diagnostic: one lock, one pass)
 
 #include <Python.h>
 
@@ -25,6 +26,8 @@
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace flatgrad {
 namespace {
@@ -133,10 +136,36 @@ PyObject* py_reset_peak(PyObject* /*self*/, PyObject* /*args*/) {
   Py_RETURN_NONE;
 }
 
+PyObject* py_blocks(PyObject* /*self*/, PyObject* /*args*/) {
+  std::vector<std::pair<uintptr_t, int64_t>> found;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    found.reserve(g_live.size());
+    for (const auto& [address, block] : g_live) {
+      found.emplace_back(reinterpret_cast<uintptr_t>(address), block.nbytes);
+    }
+  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(found.size()));
+  if (list == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < found.size(); ++i) {
+    PyObject* item = Py_BuildValue("(KL)", static_cast<unsigned long long>(found[i].first),
+                                   static_cast<long long>(found[i].second));
+    if (item == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
+  return list;
+}
+
 PyMethodDef methods[] = {
     {"install", py_install, METH_NOARGS, "install() -> None: count every CPU allocation from now on (idempotent)"},
     {"stats", py_stats, METH_NOARGS, "stats() -> (allocated, peak): bytes live now and at the peak"},
     {"reset_peak", py_reset_peak, METH_NOARGS, "reset_peak() -> None: the peak starts again from what is live"},
+    {"blocks", py_blocks, METH_NOARGS, "blocks() -> [(address, nbytes)]: every counted block live now"},
     {nullptr, nullptr, 0, nullptr},
 };
 

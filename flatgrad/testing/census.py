@@ -27,7 +27,7 @@ import torch
 
 from ..kernels.compiled import missing_extension
 
-__all__ = ["MemoryCensus", "cpu_memory_available"]
+__all__ = ["MemoryCensus", "cpu_memory_available", "describe"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +74,7 @@ class MemoryCensus:
             if why:
                 raise RuntimeError(f"MemoryCensus on the CPU needs flatgrad's counting allocator: {why}")
         self.marks: list[tuple[str, int]] = []
+        self.blocks: dict[str, dict[int, int]] = {}
         self.peak = 0
         self._base = 0
 
@@ -104,9 +105,22 @@ class MemoryCensus:
         self._base = self._raw()[0]
         return self
 
-    def mark(self, name: str) -> None:
-        """Note what is live now under ``name`` (names may repeat)."""
+    def mark(self, name: str, blocks: bool = False) -> None:
+        """Note what is live now under ``name`` (names may repeat); with ``blocks`` (CPU), every live block too.
+
+        The blocks (``{address: bytes}`` in ``self.blocks[name]``) say *what* is live where a count
+        alone says only how much: see ``born`` and ``describe``.
+        """
+        if blocks and self.device != "cpu":
+            raise ValueError("blocks=True needs the counting CPU allocator (a census on cpu)")
         self.marks.append((name, self.now()[0]))
+        if blocks:
+            self.blocks[name] = dict(_allocator().blocks())
+
+    def born(self, name: str, since: str) -> dict[int, int]:
+        """The blocks live at mark ``name`` that were not at mark ``since`` (both made with ``blocks=True``)."""
+        before = self.blocks[since]
+        return {address: n for address, n in self.blocks[name].items() if address not in before}
 
     def __exit__(self, *exc: object) -> None:
         self.peak = self.now()[1]
@@ -117,3 +131,26 @@ class MemoryCensus:
         if not hits:
             raise KeyError(f"no mark {name!r}; marks: {sorted({n for n, _ in self.marks})}")
         return hits[which]
+
+
+def describe(blocks: dict[int, int]) -> list[str]:
+    """What holds each block: the live tensors whose storage starts there (shape and dtype), or its size alone.
+
+    A block no Python tensor shows is held from C++ (autograd's saved tensors, a collective's scratch).
+    Call it while the blocks are still live.
+    """
+    import gc
+
+    holders: dict[int, list[str]] = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+                address = obj.untyped_storage().data_ptr()
+                if address in blocks:
+                    holders.setdefault(address, []).append(f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}")
+        except (RuntimeError, ReferenceError):  # a tensor without storage (a fake or a freed view)
+            continue
+    return [
+        f"{n} B: " + (", ".join(sorted(set(holders[a]))) if a in holders else "no Python tensor (held from C++)")
+        for a, n in sorted(blocks.items(), key=lambda item: -item[1])
+    ]
