@@ -29,12 +29,13 @@
 #        pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #          -d .whl hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-#          typing-inspection==0.4.5 typing-extensions==4.16.0
+#          typing-inspection==0.4.5 typing-extensions==4.16.0 ninja==1.13.2
 #        DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8   # sdist only on PyPI
 #   2. one call: run(command="bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #      (--dry-run, on any machine, prints the budget table: each step's timeout and their sum)
 #      The `wheels` step installs .whl/*.whl with `pip install --no-index --no-deps --target` into
-#      BUILD_DIR/site and puts it first on PYTHONPATH for the later steps. $OUT's files come back;
+#      BUILD_DIR/site and puts it first on PYTHONPATH (its bin/, with ninja for the build, first on PATH) for
+#      the later steps. $OUT's files come back;
 #      the summary is also the last thing printed. A warm machine keeps --build-dir (/tmp), so a
 #      second call skips the compile; `--only bench,zero-step` reruns a subset.
 set -uo pipefail
@@ -48,7 +49,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$ROOT/.whl" hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-    typing-inspection==0.4.5 typing-extensions==4.16.0
+    typing-inspection==0.4.5 typing-extensions==4.16.0 ninja==1.13.2
   DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$ROOT/.whl" deepspeed==0.19.8
   ls -l "$ROOT/.whl"
   exit 0

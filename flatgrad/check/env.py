@@ -44,6 +44,7 @@ def describe() -> dict[str, Any]:
             info[name] = __import__(name).__version__
         except Exception as exc:  # noqa: BLE001
             info[name] = f"unavailable: {type(exc).__name__}: {exc}"
+    info["ninja"] = shutil.which("ninja") or "not found: the build step compiles one file at a time"
     nvcc = shutil.which("nvcc")
     if nvcc:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout

@@ -78,6 +78,9 @@ class Context:
         inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(self.pythonpath + ([self.root] if self.root else []) + inherited)
         env["PYTHONUNBUFFERED"] = "1"
+        scripts = [os.path.join(p, "bin") for p in self.pythonpath if os.path.isdir(os.path.join(p, "bin"))]
+        if scripts:  # the wheels' console scripts (ninja, which the build needs to compile in parallel)
+            env["PATH"] = os.pathsep.join(scripts + [env.get("PATH", "")])
         if dry_run:
             env.setdefault("DS_ACCELERATOR", "cpu")
         else:
