@@ -52,6 +52,18 @@ def test_stand_in_reduce_scatter_writes_the_sum_of_the_group_chunks() -> None:
         stand_in.reduce_scatter_tensor(torch.empty(5), data, group=group)
 
 
+def test_stand_in_all_to_all_sends_this_ranks_chunk_as_every_identical_rank_would() -> None:
+    group = dist.ProcessGroup(dist.HashStore(), 0, 2)  # rank 0 of 2
+    stand_in = streams.StandInCollectives([0])
+    data = torch.arange(8, dtype=torch.float32)
+    out = torch.full((8,), -1.0)
+    work = stand_in.collectives().all_to_all_single(out, data, group=group, async_op=True)
+    assert work.is_completed() and work.wait()
+    assert torch.equal(out, torch.cat([data[:4], data[:4]])) and stand_in.calls == 1
+    with pytest.raises(ValueError, match="divisible by 2"):
+        stand_in.all_to_all_single(torch.empty(7), torch.empty(7), group=group)
+
+
 def test_two_stage_order_holds_on_cpu_for_every_emulated_rank() -> None:
     entries = streams.two_stage(torch.device("cpu"))
     assert [e["name"] for e in entries] == [f"two-stage rank {r} of 2x2" for r in range(4)]

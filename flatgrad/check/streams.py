@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["SLEEP_CYCLES", "StandInCollectives", "build_parser", "two_stage", "targets", "deliver", "run", "main"]
 
-# About 50 ms on current GPUs: long enough that a missing wait lets the other stream run first.
+# Long enough that a missing wait lets the other stream run first.
 SLEEP_CYCLES = 100_000_000
 _BUCKET_NUMEL = 200
 
@@ -59,35 +59,32 @@ class _Work:
 
 
 class StandInCollectives:
-    """Collectives that reduce as if every rank of the group held this rank's input, late, on a side stream.
+    """Collectives that run as if every rank of the group held this rank's input, late, on a side stream.
 
     ``reduce_scatter_tensor(output, input, group=...)`` writes ``input.view(W, -1).sum(0)`` into ``output``
-    (``W``: the group's size), on a new stream that first waits for the current one and then sleeps
-    ``sleeps[i]`` cycles (``i``: the call's index, the last entry repeated). On CPU it writes at once.
-    ``collectives()`` gives them as ``flatgrad.comm.Collectives``.
+    (``W``: the group's size); ``all_to_all_single(output, input, group=...)`` writes this rank's chunk of
+    ``input`` into every chunk of ``output``, as W identical ranks would send it. Each runs on a new stream
+    that first waits for the current one and then sleeps ``sleeps[i]`` cycles (``i``: the call's index,
+    the last entry repeated); on CPU it writes at once. ``collectives()`` gives them as
+    ``flatgrad.comm.Collectives``.
     """
 
     def __init__(self, sleeps: Sequence[int]) -> None:
         self.sleeps = list(sleeps)
         self.calls = 0
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, *, op: Any = None, group: Any = None,
-                              async_op: bool = False) -> _Work | None:  # fmt: skip
-        import torch.distributed as dist
-
-        world = dist.get_world_size(group)
-        if input.numel() != world * output.numel():
-            raise ValueError(f"input has {input.numel()} elements, expected {world} x {output.numel()}")
+    def _late(self, write: Callable[[], None], device: torch.device, async_op: bool) -> _Work | None:
+        """Run ``write`` behind this call's sleep on a side stream (at once on CPU); its work, or wait for it."""
         cycles = self.sleeps[min(self.calls, len(self.sleeps) - 1)]
         self.calls += 1
-        if not input.is_cuda:
-            output.copy_(input.view(world, -1).sum(0))
+        if device.type != "cuda":
+            write()
             return _Work(None) if async_op else None
-        side = torch.cuda.Stream(device=input.device)
-        side.wait_stream(torch.cuda.current_stream(input.device))
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             torch.cuda._sleep(cycles)
-            output.copy_(input.view(world, -1).sum(0))
+            write()
             event = torch.cuda.Event()
             event.record(side)
         work = _Work(event)
@@ -96,11 +93,27 @@ class StandInCollectives:
             return None
         return work
 
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, *, op: Any = None, group: Any = None,
+                              async_op: bool = False) -> _Work | None:  # fmt: skip
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        if input.numel() != world * output.numel():
+            raise ValueError(f"input has {input.numel()} elements, expected {world} x {output.numel()}")
+        return self._late(lambda: output.copy_(input.view(world, -1).sum(0)), input.device, async_op)
+
     def reduce_scatter_list(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], **kwargs: Any) -> _Work | None:
         return self.reduce_scatter_tensor(output, torch.cat(list(inputs)), **kwargs)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> None:
-        raise NotImplementedError("the two-stage reduce_scatter runs no all_to_all")
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, *, group: Any = None,
+                          async_op: bool = False) -> _Work | None:  # fmt: skip
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(group), (group.rank() if group is not None else dist.get_rank())
+        if input.numel() != output.numel() or input.numel() % world:
+            raise ValueError(f"input and output must have one size divisible by {world}, got {input.numel()}, "
+                             f"{output.numel()}")  # fmt: skip
+        return self._late(lambda: output.view(world, -1).copy_(input.view(world, -1)[rank]), input.device, async_op)
 
     def collectives(self) -> Any:
         """These calls as the ``flatgrad.comm.Collectives`` a ``Bucket`` takes."""
@@ -133,33 +146,30 @@ def two_stage(device: torch.device, cycles: int = SLEEP_CYCLES) -> list[dict[str
     reference.pack([g.cpu() for g in grads], layout, packed, 1.0)
     expected = packed.view(4, s).sum(0)  # every segment, whatever the order they are packed in
     group = dist.ProcessGroup(dist.HashStore(), 0, 2)  # a size-2 group for the stand-ins; it issues nothing
-    entries = []
-    for rank in range(4):
-        name = f"two-stage rank {rank} of 2x2"
-        try:
-            mode = TwoStageReduceScatter(place_ranks(2, [0, 1, 2, 3], 4, rank))
-            mode.node_group = mode.rail_group = group
-            bucket = Bucket(0, params, layout, rank, comm_dtype=torch.float32,
-                            averaging=comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0), method="tensor", backend=None,
-                            mode=mode, prescale=1.0, postscale=1.0, streams=None)  # fmt: skip
-            stand_in = StandInCollectives([2 * cycles, cycles])  # the node stage finishes last if nothing waits
-            buffer = torch.full((layout.numel,), float("nan"), device=device)
-            mode.bind(bucket, "input", buffer, rank, 4)
-            bucket.pack(grads)
-            work = bucket.start(group, rank, stand_in.collectives())
-            if work is not None:
-                work.wait()
-            bucket.shard = torch.full((s,), -1.0, device=device)
-            bucket.accumulate = False
-            bucket.unpack(rank, 4, False)
-            got = bucket.shard.cpu()
-            ok = stand_in.calls == 2 and torch.equal(got, expected)
-            detail = "" if ok else (f"{stand_in.calls} collective calls; shard differs from the sum of the 4 "
-                                    f"segments at {int((got != expected).sum())} of {s} elements")  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - a crash is a failed check; the next one runs
-            ok, detail = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
-        entries.append({"name": name, "ok": ok, "detail": detail})
-    return entries
+
+    def check(rank: int, made: list) -> tuple[bool, str]:
+        mode = TwoStageReduceScatter(place_ranks(2, [0, 1, 2, 3], 4, rank))
+        mode.node_group = mode.rail_group = group
+        bucket = Bucket(0, params, layout, rank, comm_dtype=torch.float32,
+                        averaging=comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0), method="tensor", backend=None,
+                        mode=mode, prescale=1.0, postscale=1.0, streams=None)  # fmt: skip
+        stand_in = StandInCollectives([2 * cycles, cycles])  # the node stage finishes last if nothing waits
+        buffer = torch.full((layout.numel,), float("nan"), device=device)
+        mode.bind(bucket, "input", buffer, rank, 4)
+        bucket.pack(grads)
+        work = bucket.start(group, rank, stand_in.collectives())
+        if work is not None:
+            work.wait()
+        bucket.shard = torch.full((s,), -1.0, device=device)
+        bucket.accumulate = False
+        bucket.unpack(rank, 4, False)
+        got = bucket.shard.cpu()
+        ok = stand_in.calls == 2 and torch.equal(got, expected)
+        detail = "" if ok else (f"{stand_in.calls} collective calls; shard differs from the sum of the 4 "
+                                f"segments at {int((got != expected).sum())} of {s} elements")  # fmt: skip
+        return ok, detail
+
+    return [_entry(f"two-stage rank {rank} of 2x2", lambda made, r=rank: check(r, made)) for rank in range(4)]
 
 
 class _Net:
@@ -215,48 +225,60 @@ def _reducer(net: _Net, accum: torch.dtype, pinned: bool) -> tuple[Any, list[tor
     return BucketReducer(buckets, accum_dtype=accum, shard_targets=hosts), hosts
 
 
+def _entry(name: str, check: Callable[[list], tuple[bool, str]]) -> dict[str, Any]:
+    """One check's entry: ``check(made)`` gives ``(ok, detail)``; a crash is a failed check, and the hooks of
+    every reducer it appended to ``made`` are removed whatever happened."""
+    made: list = []
+    try:
+        ok, detail = check(made)
+    except Exception as exc:  # noqa: BLE001 - a crash is a failed check; the next one runs
+        ok, detail = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+    finally:
+        for reducer in made:
+            reducer.remove_hooks()
+    return {"name": name, "ok": ok, "detail": detail}
+
+
 def targets(cycles: int = SLEEP_CYCLES) -> list[dict[str, Any]]:
     """Delivery into pinned and pageable host fp32 targets, fp32 and bf16 accumulation; one entry per case."""
+
+    def check(accum: torch.dtype, pinned: bool, made: list) -> tuple[bool, str]:
+        net = _Net(accum, torch.device("cuda"))
+        reducer, hosts = _reducer(net, accum, pinned)
+        made.append(reducer)
+        for micro in range(2):
+            reducer.final_micro_step = micro == 1
+            inputs = net.inputs(micro)
+            if micro == 1:
+                torch.cuda._sleep(cycles)  # the last backward's gradients come late
+            net.loss(net.params, inputs).backward()
+            reducer.finish()
+        got = [h.clone() for h in hosts]  # read at once: finish() must have waited for the delivery
+        want = _expected(reducer, net, range(2))
+        shards = [gs.shard for gs in reducer.grad_shards()]
+        bad = [b for b, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
+        not_targets = [b for b, (s, h) in enumerate(zip(shards, hosts)) if s is not h]
+        ok = not bad and not not_targets and reducer.target_copies > 0
+        detail = "" if ok else (f"buckets whose host target differs: {bad}; shards that are not the targets: "
+                                f"{not_targets}; target copies {reducer.target_copies}")  # fmt: skip
+        reducer.zero_grad()
+        return ok, detail
+
     entries = []
     for accum in (torch.float32, torch.bfloat16):
         for pinned in (True, False):
             name = f"targets {'pinned' if pinned else 'pageable'} host fp32, {str(accum).split('.')[-1]} accumulation"
-            reducer = None
-            try:
-                net = _Net(accum, torch.device("cuda"))
-                reducer, hosts = _reducer(net, accum, pinned)
-                for micro in range(2):
-                    reducer.final_micro_step = micro == 1
-                    inputs = net.inputs(micro)
-                    if micro == 1:
-                        torch.cuda._sleep(cycles)  # the last backward's gradients come late
-                    net.loss(net.params, inputs).backward()
-                    reducer.finish()
-                got = [h.clone() for h in hosts]  # read at once: finish() must have waited for the delivery
-                want = _expected(reducer, net, range(2))
-                shards = [gs.shard for gs in reducer.grad_shards()]
-                bad = [b for b, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
-                not_targets = [b for b, (s, h) in enumerate(zip(shards, hosts)) if s is not h]
-                ok = not bad and not not_targets and reducer.target_copies > 0
-                detail = "" if ok else (f"buckets whose host target differs: {bad}; shards that are not the targets: "
-                                        f"{not_targets}; target copies {reducer.target_copies}")  # fmt: skip
-                reducer.zero_grad()
-            except Exception as exc:  # noqa: BLE001
-                ok, detail = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
-            finally:
-                if reducer is not None:
-                    reducer.remove_hooks()
-            entries.append({"name": name, "ok": ok, "detail": detail})
+            entries.append(_entry(name, lambda made, a=accum, p=pinned: check(a, p, made)))
     return entries
 
 
 def deliver(cycles: int = SLEEP_CYCLES) -> list[dict[str, Any]]:
     """``deliver()`` after an unannounced last micro-step waits for the current stream; one entry."""
-    name = "deliver() waits for the current stream"
-    reducer = None
-    try:
+
+    def check(made: list) -> tuple[bool, str]:
         net = _Net(torch.bfloat16, torch.device("cuda"))
         reducer, hosts = _reducer(net, torch.bfloat16, True)
+        made.append(reducer)
         net.loss(net.params, net.inputs(0)).backward()
         reducer.finish()  # final_micro_step left False: nothing delivered yet
         shards = reducer.grad_shards()
@@ -267,15 +289,10 @@ def deliver(cycles: int = SLEEP_CYCLES) -> list[dict[str, Any]]:
         want = _expected(reducer, net, [0])
         want[0] = torch.full_like(want[0], 7.0)
         bad = [b for b, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
-        ok = not bad
-        detail = "" if ok else f"buckets whose host target differs after deliver(): {bad} (bucket 0 must be all 7s)"
         reducer.zero_grad()
-    except Exception as exc:  # noqa: BLE001
-        ok, detail = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
-    finally:
-        if reducer is not None:
-            reducer.remove_hooks()
-    return [{"name": name, "ok": ok, "detail": detail}]
+        return not bad, "" if not bad else f"buckets whose host target differs after deliver(): {bad} (bucket 0 must be all 7s)"
+
+    return [_entry("deliver() waits for the current stream", check)]
 
 
 def run(cycles: int = SLEEP_CYCLES) -> dict[str, Any]:

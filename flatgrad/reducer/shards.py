@@ -156,12 +156,12 @@ class TargetShards(ShardStore):
         if self.in_place[b.id] or self._delivered[b.id] or b.shard is None:
             return
         target, shard = self.targets[b.id], b.shard
-        if shard.is_cuda:  # dropped below, maybe on a stream other than the one it was allocated on
-            shard.record_stream(torch.cuda.current_stream(shard.device))
+        stream = torch.cuda.current_stream(shard.device) if shard.is_cuda else None
+        if stream is not None:  # dropped below, maybe on a stream other than the one it was allocated on
+            shard.record_stream(stream)
         if not self.to_host[b.id]:
             target.copy_(shard)
         else:
-            stream = torch.cuda.current_stream(shard.device)
             into = target
             if shard.dtype != target.dtype:  # bit16 bytes into the target's head, widened on the host later
                 into = target.view(torch.uint8).narrow(0, 0, shard.numel() * shard.element_size()).view(shard.dtype)
@@ -215,9 +215,9 @@ def widen_in_place(target: torch.Tensor, dtype: torch.dtype) -> None:
     n = target.numel()
     if n == 0:
         return
-    if not target.is_contiguous() or target.dim() != 1 or 2 * torch.empty((), dtype=dtype).element_size() > target.element_size():
+    itemsize = dtype.itemsize
+    if not target.is_contiguous() or target.dim() != 1 or 2 * itemsize > target.element_size():
         raise ValueError(f"widen_in_place needs a contiguous 1-D target at least twice as wide as {dtype}, got {target.dtype}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
     ratio = target.element_size() // itemsize
     narrow = target.view(torch.uint8).narrow(0, 0, n * itemsize).view(dtype)
     stop = n
@@ -266,8 +266,7 @@ def check_targets(
             )
         if not t.is_floating_point():
             raise ValueError(f"shard_targets[{b}] has dtype {t.dtype}; a gradient target is a float tensor")
-        wide = torch.empty((), dtype=accum_dtype).element_size()
-        if t.dtype != accum_dtype and t.element_size() < 2 * wide:
+        if t.dtype != accum_dtype and t.element_size() < 2 * accum_dtype.itemsize:
             raise ValueError(
                 f"shard_targets[{b}] has dtype {t.dtype}; a target has the accumulation dtype ({accum_dtype}) or one at "
                 "least twice as wide"
