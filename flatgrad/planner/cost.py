@@ -96,15 +96,17 @@ import dataclasses
 
 import torch
 
+from ..kernels import wire
+from ..reducer import registry
 from .schedule import Collective, Schedule
 
 __all__ = ["CostModel", "DEFAULT", "FLAT_MODES", "HIERARCHICAL_MODES", "MODES", "reduction_call", "reduction_calls"]
 
-FLAT_MODES = ("reduce_scatter", "exact", "int8", "fp8")
-"""The reducer's modes: one call per bucket over its group. See [Note: reduction modes] in ``flatgrad/reducer/modes.py``."""
-HIERARCHICAL_MODES = ("2d_reduce_scatter", "hier_exact", "hier_int8", "qgz_int8")
+FLAT_MODES = registry.names(two_stage=False)
+"""The reducer's flat modes: one call per bucket over its group (``flatgrad.reducer.registry``)."""
+HIERARCHICAL_MODES = registry.names(two_stage=True)
 """Two-stage modes (the reducer's, placed as it places them). See [Note: all_to_all cost]."""
-MODES = FLAT_MODES + HIERARCHICAL_MODES
+MODES = registry.names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,24 +237,24 @@ class CostModel:
 DEFAULT = CostModel()
 
 
+def _stage_call(stage: registry.Stage, numel: int, dtype: torch.dtype, members: range, block: int) -> Collective:
+    """The collective of one stage of a mode, moving ``numel`` elements among ``members``."""
+    if stage.payload == "wire":  # W segments of the wire format, one per member
+        nbytes = len(members) * wire.segment_bytes(-(-numel // len(members)), block)
+        return Collective(stage.collective, nbytes, torch.uint8, members, payload=numel)
+    return Collective(stage.collective, numel, torch.float32 if stage.payload == "fp32" else dtype, members)
+
+
 def reduction_call(reduction: str, numel: int, dtype: torch.dtype, group: range, block: int = 256) -> Collective:
-    """The collective that moves a ``numel``-element bucket of ``dtype`` under a reduction mode.
+    """The collective that moves a ``numel``-element bucket of ``dtype`` under a flat reduction mode.
 
-    ``reduce_scatter``: today's call; ``exact``: an ``all_to_all`` of the same
-    bytes; ``int8`` / ``fp8``: an ``all_to_all`` of the quantized wire (uint8,
-    ``W`` segments of ``flatgrad.kernels.wire.segment_bytes``).
+    Priced from the mode's registry entry: ``reduce_scatter`` is one reduce_scatter of the comm dtype,
+    ``exact`` an ``all_to_all`` of the same bytes, ``int8`` / ``fp8`` an ``all_to_all`` of the quantized
+    wire (uint8, ``W`` segments of ``flatgrad.kernels.wire.segment_bytes``).
     """
-    from ..kernels import wire
-
-    if reduction == "reduce_scatter":
-        return Collective("reduce_scatter", numel, dtype, group)
-    if reduction == "exact":
-        return Collective("all_to_all", numel, dtype, group)
-    if reduction not in wire.KINDS:
-        raise ValueError(f"reduction must be one of reduce_scatter, exact, {', '.join(wire.KINDS)}; got {reduction!r}")
-    p = len(group)
-    shard = -(-numel // p)
-    return Collective("all_to_all", p * wire.segment_bytes(shard, block), torch.uint8, group, payload=numel)
+    if reduction not in FLAT_MODES:
+        raise ValueError(f"reduction must be one of {', '.join(FLAT_MODES)}; got {reduction!r}")
+    return _stage_call(registry.entry(reduction).stages[0], numel, dtype, group, block)
 
 
 def reduction_calls(
@@ -268,14 +270,13 @@ def reduction_calls(
 ) -> tuple[Collective, ...]:
     """The calls that move a ``numel``-element bucket of ``dtype`` under any mode of ``MODES``, as ``rank`` sees them.
 
-    Flat modes: ``(reduction_call(...),)``. Hierarchical modes (see [Note: all_to_all
-    cost]): an intra-node call over ``rank``'s node, then an inter-node call over its
-    rail (none when the group is one node), placed by ``flatgrad.reducer.topology.place_ranks``
-    as the reducer places them (``world_size``: the global one, default the group's nodes, whole).
-    ``numel`` must be a multiple of the group size (flatgrad's layouts pad to it).
+    Flat modes: ``(reduction_call(...),)``. Two-stage modes (see [Note: all_to_all cost]): the node
+    stage over ``rank``'s node, then the rail stage over its rail (none when the group is one node),
+    each priced from the mode's registry entry, placed by ``flatgrad.reducer.topology.place_ranks`` as
+    the reducer places them (``world_size``: the global one, default the group's nodes, whole). The
+    rail stage moves what the node stage left this rank: ``numel / L`` elements. ``numel`` must be a
+    multiple of the group size (flatgrad's layouts pad to it).
     """
-    from ..kernels import wire
-
     if reduction in FLAT_MODES:
         return (reduction_call(reduction, numel, dtype, group, block),)
     if reduction not in HIERARCHICAL_MODES:
@@ -289,25 +290,14 @@ def reduction_calls(
     from ..reducer.topology import place_ranks
 
     world = world_size if world_size is not None else -(-(group[-1] + 1) // g) * g
-    try:  # the reducer's own placement: see [Note: two-stage reductions] in flatgrad/reducer/topology.py
+    try:  # the reducer's own placement: see [Note: two-stage reductions] in docs/design.md
         topology = place_ranks(g, list(group), world, group.index(rank), name="gpus_per_node")
     except ValueError as exc:
         raise ValueError(f"{reduction} needs a group spread evenly over whole nodes of {g} ranks, got {group}: {exc}") from exc
     node, rail = _strided(topology.node_ranks), _strided(topology.rail_ranks)
     part = numel // topology.local_size  # what this rank owns after the node stage; the rail splits it n ways
-
-    def quantized(n: int, members: range) -> Collective:
-        nbytes = len(members) * wire.segment_bytes(n // len(members), block)
-        return Collective("all_to_all", nbytes, torch.uint8, members, payload=n)
-
-    if reduction == "2d_reduce_scatter":
-        calls = [Collective("reduce_scatter", numel, dtype, node), Collective("reduce_scatter", part, dtype, rail)]
-    elif reduction == "hier_exact":
-        calls = [Collective("all_to_all", numel, dtype, node), Collective("all_to_all", part, torch.float32, rail)]
-    elif reduction == "hier_int8":
-        calls = [Collective("reduce_scatter", numel, dtype, node), quantized(part, rail)]
-    else:  # qgz_int8
-        calls = [quantized(numel, node), quantized(part, rail)]
+    first, second = registry.entry(reduction).stages
+    calls = [_stage_call(first, numel, dtype, node, block), _stage_call(second, part, dtype, rail, block)]
     return tuple(c for c in calls if len(c.group) > 1)
 
 

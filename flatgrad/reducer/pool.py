@@ -54,7 +54,7 @@ class PoolSpec(NamedTuple):
 class CommPools:
     """The pools of one reducer: planned once, taken at a micro-step's first launch, given back by ``finish()``."""
 
-    def __init__(self, buckets: Sequence[Bucket], comm_buffers: int, rank: int, world_size: int) -> None:
+    def __init__(self, buckets: Sequence[Bucket], comm_buffers: int) -> None:
         members: dict[tuple[torch.device, torch.dtype | None], list[Bucket]] = {}
         for b in buckets:
             members.setdefault((b.device, b.mode.pool_dtype(b.comm_dtype)), []).append(b)
@@ -63,12 +63,11 @@ class CommPools:
             count = min(comm_buffers, len(group))
             for k, b in enumerate(group):
                 b.previous = group[k - count] if k >= count else None
-            for purpose, size, slot_dtype in group[0].mode.pool_slots(group, world_size):
+            slots = group[0].mode.pool_slots([b.layout for b in group], group[0].comm_dtype)
+            for purpose, size, slot_dtype in slots:
                 key = (device, dtype) if purpose == "input" else (purpose, device, dtype)
                 self.pools.append(PoolSpec(key, count, size, slot_dtype, purpose, group))
         self.buckets = list(buckets)
-        self.rank = rank
-        self.world_size = world_size
         self.taken: dict[tuple, list[torch.Tensor]] | None = None
 
     @property
@@ -81,11 +80,14 @@ class CommPools:
         if self.taken is not None:
             return
         taken: dict[tuple, list[torch.Tensor]] = {}
+        buffers: dict[int, dict[str, torch.Tensor]] = {}
         for p in self.pools:
             device = p.buckets[0].device
             pool = taken[p.key] = [torch.empty(p.size, dtype=p.dtype, device=device) for _ in range(p.count)]
             for k, b in enumerate(p.buckets):
-                b.mode.bind(b, p.purpose, pool[k % p.count], self.rank, self.world_size)
+                buffers.setdefault(id(b), {})[p.purpose] = pool[k % p.count]
+        for b in self.buckets:
+            b.bind(buffers[id(b)])
         self.taken = taken
 
     def release(self) -> None:

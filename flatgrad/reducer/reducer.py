@@ -108,9 +108,9 @@ from ..kernels import DTYPES, resolve_backend
 from ..layout import Layout, Piece, split_numels
 from .agreement import LayoutMismatchError, agree, agreement_device
 from .bucket import Bucket, describe_param
-from .config import TWO_STAGE_REDUCTIONS, ReducerConfig
-from .modes import make_mode
-from .topology import Topology, plan_topology
+from .config import ReducerConfig
+from .setup import plan_mode
+from .topology import Topology
 from .pool import CommPools
 from .shards import TargetShards, arena_offsets, check_targets, make_store
 
@@ -246,10 +246,7 @@ class BucketReducer:
             if collectives is not None and not isinstance(collectives, comm.Collectives):
                 raise TypeError(f"collectives must be a flatgrad.comm.Collectives or None, got {type(collectives).__name__}")
             self.config = config
-            if config.reduction in TWO_STAGE_REDUCTIONS and self.world_size > 1:
-                members = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-                self.topology = plan_topology(config.node_size, members, dist.get_world_size(), self.rank)
-            self.mode = make_mode(config, self.world_size, self.topology)
+            self.mode, self.topology = plan_mode(config, process_group)
             specs = self._describe_buckets(buckets, register_hooks)
             offsets = arena_offsets(shard_arena, [s.layout for s in specs], [s.device for s in specs])
             check_targets(shard_targets, [s.layout for s in specs], shard_arena, config.accum_dtype)
@@ -265,7 +262,7 @@ class BucketReducer:
         self.collect_stats = bool(config.collect_stats)
         self._collectives = collectives
         self._buckets = [self._bucket(i, spec) for i, spec in enumerate(specs)]
-        self._comm = CommPools(self._buckets, config.comm_buffers, self.rank, self.world_size)
+        self._comm = CommPools(self._buckets, config.comm_buffers)
         self.buckets: list[list[nn.Parameter]] = [list(b.params) for b in self._buckets]
         self.layouts: list[Layout] = [b.layout for b in self._buckets]
         self.kernel_backends: list[str] = [spec.backend for spec in specs]
@@ -395,8 +392,7 @@ class BucketReducer:
         if b.pack_stream is None:
             if b.previous is not None and b.previous.in_flight:
                 self._drain(block=True, through=b.previous)  # its comm buffer is this bucket's
-            b.pack(grads)
-            b.work = b.start(self.process_group, self.rank, self._collectives)
+            b.flight = b.reduce(grads, self.process_group, self._collectives)
             b.in_flight = True
             self._inflight.append(b)
         else:
@@ -407,14 +403,13 @@ class BucketReducer:
             if b.previous is not None:
                 b.pack_stream.wait_event(b.previous.unpacked)  # see [Note: comm buffer pool]
             with torch.cuda.stream(b.pack_stream):
-                b.pack(grads)
+                b.flight = b.reduce(grads, self.process_group, self._collectives)
                 for g in grads:
                     if g is not None:
                         g.record_stream(b.pack_stream)
-                b.work = b.start(self.process_group, self.rank, self._collectives)
             with torch.cuda.stream(b.unpack_stream):
-                if b.work is not None:
-                    b.work.wait()
+                if b.flight.work is not None:
+                    b.flight.wait()
                 else:
                     b.unpack_stream.wait_stream(b.pack_stream)
                 self._unpack(b)
@@ -431,7 +426,8 @@ class BucketReducer:
 
     def _unpack(self, b: Bucket) -> None:
         self._ensure_shard(b)
-        b.unpack(self.rank, self.world_size, self.collect_stats)
+        b.stats = b.flight.unpack(b.shard, b.accumulate, self.collect_stats)
+        b.accumulate = True
         self._shards.unpacked(b)
 
     def _drain(self, block: bool, through: Bucket | None = None) -> None:
@@ -442,16 +438,9 @@ class BucketReducer:
         """
         while self._inflight:
             b = self._inflight[0]
-            if b.work is not None:
-                if not block and not b.work.is_completed():
-                    return
-                try:
-                    b.work.wait()
-                except Exception as exc:
-                    raise RuntimeError(
-                        f"flatgrad: {b.mode.name} of bucket {b.id} failed on rank {self.rank} "
-                        f"(world size {self.world_size}): {exc}"
-                    ) from exc
+            if not block and not b.flight.is_completed():
+                return
+            b.flight.wait()
             self._unpack(b)
             b.in_flight = False
             self._inflight.popleft()

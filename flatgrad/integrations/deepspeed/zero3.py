@@ -141,7 +141,7 @@ import torch
 from ... import comm
 from ...layout import Layout
 from ...kernels import host_backend
-from ...reducer import Bucket, DividedPack, ReducerConfig, ReduceScatter, ReductionMode, make_mode, plan_topology
+from ...reducer import Bucket, ReduceScatter, ReductionMode, build_mode, plan_topology
 from .collectives import deepspeed_collectives
 from .config import FlatgradConfig, UnsupportedConfigError, deepspeed_version, offload_device
 from .support import config_value
@@ -204,7 +204,6 @@ class Zero3Reducer:
         # The mode of every bucket (its divided twin where stock's divide must be kept), see
         # [Note: ZeRO-3 two-stage reduction]. A two-stage mode comes connected from install(), its groups made once.
         self.mode: ReductionMode = mode if mode is not None else ReduceScatter()
-        self._divided = DividedPack(self.mode)
         self._outs: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
         self.stats = _BackwardStats()
         self._trainable = frozenset(p.ds_id for g in optimizer.fp16_groups for p in g if p.requires_grad)
@@ -218,7 +217,7 @@ class Zero3Reducer:
         self.offload = bool(optimizer.offload_optimizer)
         self._runs: dict[tuple, _OffloadRuns] = {}
         self._staging: list[torch.Tensor | None] = [None, None]
-        self._staged: deque = deque()  # (event, slot, comp, micro_step, boundary), oldest first
+        self._staged: deque = deque()  # (event, slot, comp, flight, staged, micro_step, boundary), oldest first
         self._next_slot = 0
         # Counted per process (tests and benches read them): reduced segments moved to the host (one per
         # bucket with data here per micro-step), and the boundary's host copies into the fp32 gradients.
@@ -369,8 +368,8 @@ class Zero3Reducer:
             0, tuple(params), layout, rank, comm_dtype=comm_dtype,
             averaging=comm.Averaging(self._dist.ReduceOp.SUM, 1.0 / world_size if fused else 1.0, 1.0),
             method=self._method, backend=self.config.backend,
-            mode=self.mode if fused else self._divided, prescale=1.0, postscale=1.0, streams=None,
-            unpack_backend=host_backend(self.config.backend) if staged else None,
+            mode=self.mode, prescale=1.0, postscale=1.0, streams=None,
+            unpack_backend=host_backend(self.config.backend) if staged else None, divide=not fused,
         )  # fmt: skip
         pieces = layout.pieces(rank)
         return _Composition(
@@ -414,39 +413,29 @@ class Zero3Reducer:
             buffer = ipg_buffer.narrow(0, 0, layout.numel)
         else:
             buffer = torch.empty(layout.numel, dtype=comp.comm_dtype, device=device)
-        b = comp.bucket
-        b.mode.bind(b, "input", buffer, comp.rank, layout.world_size)
-        b.pack(grads)
-        work = b.start(comp.group, comp.rank, self._collectives)
-        if work is not None:
-            work.wait()
+        flight = comp.bucket.reduce(grads, comp.group, self._collectives, buffers={"input": buffer})
+        flight.wait()
         if not comp.ds_ids:
-            b.unbind()
             self.stats.add(self.optimizer.micro_step_id, comp.key, None)  # nothing here, but the bucket was reduced
             return
         outs = self._grad_partitions(comp)
         micro_step = self.optimizer.micro_step_id
-        if b.output.device == outs[0].device and not (self.offload and self.always_stage):
-            self._host_side(comp, b.output, micro_step, self.offload and self.optimizer.is_gradient_accumulation_boundary())
+        if flight.received.device == outs[0].device and not (self.offload and self.always_stage):
+            boundary = self.offload and self.optimizer.is_gradient_accumulation_boundary()
+            self._host_side(comp, flight, flight.received, micro_step, boundary)
             if self.offload:
                 self.host_transfers += 1  # the unpack writes the host partitions: the segment's one transfer
         else:
-            self._stage(comp, b.output, micro_step, self.optimizer.is_gradient_accumulation_boundary())
-            b.unbind()
+            self._stage(comp, flight, micro_step, self.optimizer.is_gradient_accumulation_boundary())
 
-    def _host_side(self, comp: _Composition, segment: torch.Tensor, micro_step: int, boundary: bool) -> None:
+    def _host_side(self, comp: _Composition, flight: Any, segment: torch.Tensor, micro_step: int, boundary: bool) -> None:
         """Unpack ``segment`` into the grad partitions (copy on micro-step 0, add after); then the boundary's work."""
-        b = comp.bucket
         outs = self._grad_partitions(comp)
         out_dtype = outs[0].dtype
         if segment.dtype != out_dtype and out_dtype != torch.float32:
             segment = segment.to(out_dtype)  # stock adds after this cast; see [Note: ZeRO-3 reduce path]
-        b.output = segment
-        b.shard, b.accumulate = outs, micro_step != 0
-        b.unpack(comp.rank, comp.layout.world_size, collect_stats=True)
-        self.stats.add(micro_step, comp.key, b.stats)
-        b.unbind()
-        b.shard = b.stats = None
+        stats = flight.unpack(outs, micro_step != 0, True, received=segment)
+        self.stats.add(micro_step, comp.key, stats)
         if boundary:
             self._to_fp32_grads(comp, outs)
 
@@ -522,8 +511,9 @@ class Zero3Reducer:
         nbytes = self.staging_numel() * itemsize
         self._staging = [self._accelerator.pin_memory(torch.empty(nbytes, dtype=torch.uint8)) for _ in range(2)]
 
-    def _stage(self, comp: _Composition, segment: torch.Tensor, micro_step: int, boundary: bool) -> None:
+    def _stage(self, comp: _Composition, flight: Any, micro_step: int, boundary: bool) -> None:
         """One asynchronous copy of the reduced segment into a pinned staging buffer; unpacked once it landed."""
+        segment = flight.received
         slot = self._next_slot
         self._next_slot = 1 - slot
         self._drain(slot=slot)  # the slot's previous segment must be unpacked before it is overwritten
@@ -533,24 +523,25 @@ class Zero3Reducer:
             buffer = self._staging[slot] = self._accelerator.pin_memory(torch.empty(nbytes, dtype=torch.uint8))
         staged = buffer.narrow(0, 0, nbytes).view(segment.dtype)
         staged.copy_(segment, non_blocking=True)
+        flight.release_buffers()
         self.host_transfers += 1
         event_type = self._accelerator.Event  # None on the CPU accelerator, where the copy has landed
         event = event_type() if event_type is not None else None
         if event is not None:
             event.record()
-        self._staged.append((event, slot, comp, staged, micro_step, boundary))
+        self._staged.append((event, slot, comp, flight, staged, micro_step, boundary))
 
     def _drain(self, *, slot: int | None = None, everything: bool = False) -> None:
         """Unpack the staged segments whose copies have landed; wait for ``slot``'s, or for all of them."""
         while self._staged:
-            event, occupant, comp, staged, micro_step, boundary = self._staged[0]
+            event, occupant, comp, flight, staged, micro_step, boundary = self._staged[0]
             if event is not None:  # None: the copy was synchronous
                 if everything or occupant == slot:
                     event.synchronize()
                 elif not event.query():
                     return
             self._staged.popleft()
-            self._host_side(comp, staged, micro_step, boundary)
+            self._host_side(comp, flight, staged, micro_step, boundary)
             if occupant == slot and not everything:
                 return
 
@@ -841,8 +832,7 @@ def _reduction_mode(opt: Any, cfg: FlatgradConfig) -> ReductionMode:
             f"the ranks disagree on 'flatgrad.node_size' (per rank: {sizes}; this is rank {rank}): every rank must "
             "place the ranks on the same nodes"
         )
-    config = ReducerConfig(reduction=cfg.reduction, node_size=topology.node_size)
-    mode = make_mode(config, world_size, topology)
+    mode = build_mode(cfg.reduction, world_size, topology=topology)
     mode.connect()
     return mode
 
