@@ -47,9 +47,9 @@ class FlatgradConfig:
             (they serialise, and one bucket of memory is saved).
         reduction: ZeRO-1/2: ``reduce_scatter`` (the default), ``exact`` (all_to_all of the comm dtype,
             fixed-order fp32 sum in the unpack), ``int8`` or ``fp8`` (blockwise-quantized all_to_all);
-            see [Note: reduction modes] in ``flatgrad/reducer/modes.py``; or ``2d_reduce_scatter``
+            see [Note: reduction modes] in docs/design.md; or ``2d_reduce_scatter``
             (reduce_scatter in the node, then over the rail; see [Note: two-stage reductions] in
-            ``flatgrad/reducer/topology.py``), ``hier_int8`` or ``hier_fp8`` (the node stage, then a
+            docs/design.md), ``hier_int8`` or ``hier_fp8`` (the node stage, then a
             quantized all_to_all over the rail), ``hier_exact`` (all_to_alls in both stages, fixed-order
             fp32 sums), ``qgz_int8`` or ``qgz_fp8`` (quantized all_to_alls in both stages). ZeRO-3 refuses
             the others.
