@@ -322,7 +322,7 @@ def test_compiled_ops_have_fakes():
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused pack-quantize ([Note: pack-quantize] in wire_reference.py)
+# The fused pack-quantize ([Note: pack-quantize] in docs/design.md)
 
 
 def _pack_quantize_case(numels, dtypes, missing, world_size, kind_layout, align, seed):
@@ -499,7 +499,7 @@ def test_reference_nonfinite_blocks_dequantize_to_nan(kind):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused requantize ([Note: requantize] in wire_reference.py)
+# The fused requantize ([Note: requantize] in docs/design.md)
 
 
 def _bytes(n: int) -> torch.Tensor:

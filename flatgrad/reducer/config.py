@@ -25,12 +25,12 @@ class ReducerConfig:
             which must then be uniform).
         layout: ``"flat"`` or ``"chunked"`` (see ``flatgrad.Layout``).
         align: layout alignment in elements.
-        average: divide the sum by the world size (see [Note: averaging] in ``flatgrad.comm``);
+        average: divide the sum by the world size (see [Note: averaging] in docs/design.md);
             ``False`` sums.
         prescale: extra multiplier applied in pack.
         postscale: extra multiplier applied in unpack.
         backend: flatgrad kernel backend (``None``: automatic per device).
-        method: reduce_scatter method (see [Note: reduce_scatter method] in ``flatgrad.comm``).
+        method: reduce_scatter method (see [Note: reduce_scatter method] in docs/design.md).
         comm_buffers: how many bucket-sized comm buffers the buckets of one device and comm dtype share
             (see [Note: comm buffer pool]); 1 serialises pack and collective, 2 (the default) overlaps
             them as stock's double IPG buffer does.
