@@ -32,8 +32,6 @@ _NOT_YET_MOVED = {
     "flatgrad/integrations/deepspeed/zero2/step.py",
     "flatgrad/integrations/deepspeed/zero2/stock_norm.py",
     "flatgrad/integrations/deepspeed/zero3.py",
-    "flatgrad/reducer/modes.py",
-    "flatgrad/reducer/reducer.py",
 }
 
 _HEADING = re.compile(r"^### \[Note: ([^\]\n]+)\]\s*$", re.M)
