@@ -129,7 +129,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
     }
     reduction = getattr(engine.optimizer, "_flatgrad", None)
     out["metadata_bytes"] = 0
-    zero3 = getattr(engine.optimizer, "flatgrad_zero3", None)
+    zero3 = getattr(engine.optimizer, "flatgrad", None)
     if zero3 is not None:
         out["metadata_bytes"] = zero3.metadata_bytes()  # plan tables and step statistics, KBs
     if reduction is not None:
@@ -156,9 +156,9 @@ def _host_bytes(optimizer: Any) -> int:
     flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
     if torch.is_tensor(flat) and flat.device.type == "cpu":
         tensors.append(flat)
-    zero3 = getattr(optimizer, "flatgrad_zero3", None)
+    zero3 = getattr(optimizer, "flatgrad", None)
     if zero3 is not None:
-        tensors += zero3.staging_buffers
+        tensors += zero3.offload.staging_buffers
     for state in optimizer.optimizer.state.values():
         tensors += [v for v in state.values() if torch.is_tensor(v)]
     tensors += list(getattr(optimizer, "accumulated_grads_in_cpu", {}).values())

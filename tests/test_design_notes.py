@@ -31,7 +31,6 @@ _NOT_YET_MOVED = {
     "flatgrad/integrations/deepspeed/zero2/stats.py",
     "flatgrad/integrations/deepspeed/zero2/step.py",
     "flatgrad/integrations/deepspeed/zero2/stock_norm.py",
-    "flatgrad/integrations/deepspeed/zero3.py",
 }
 
 _HEADING = re.compile(r"^### \[Note: ([^\]\n]+)\]\s*$", re.M)

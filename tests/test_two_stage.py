@@ -359,7 +359,7 @@ def _zero3_rank(rank: int, world_size: int, root: str) -> dict:
     for name, (reduction, comm_dtype) in runs.items():
         cfg = ds_config(3, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": comm_dtype})
         engine, losses, continued, resumed = _train_save_resume(cfg, batches, os.path.join(root, name))
-        reducer = engine.optimizer.flatgrad_zero3
+        reducer = engine.optimizer.flatgrad
         modes = {(type(c.bucket.mode).__name__, c.bucket.mode.name, c.bucket.divide) for c in reducer.compositions.values()}
         out[name] = {
             "modes": modes, "line": reducer.describe(), "losses": losses + continued,

@@ -185,7 +185,7 @@ def _describe(setup: Setup, engine: Any, model_name: str) -> dict:
             info["sub_groups"] = len(opt.bit16_groups)
             info["sub_groups_multi_rank"] = sum(len(r.buckets) for r in reduction.reducers if r.world_size > 1)
     elif setup.flatgrad:
-        info["bucket_plans"] = len(opt.flatgrad_zero3.compositions)
+        info["bucket_plans"] = len(opt.flatgrad.compositions)
     return info
 
 

@@ -4,7 +4,8 @@
 the ``InFlight`` it returns waits and unpacks, returning the stats: the one path from gradients to
 shard that ``BucketReducer`` (around its streams and launch order) and ZeRO-3 (inside DeepSpeed's
 reduce stream) both take. It is two calls because on gloo the unpack of one bucket waits while
-later buckets pack. See [Note: bucket lifecycle] in docs/design.md.
+later buckets pack; ZeRO-3's host staging moves what arrived and unpacks the copy (``Bucket.unpack``).
+See [Note: bucket lifecycle] in docs/design.md.
 """
 
 from __future__ import annotations
@@ -168,6 +169,14 @@ class Bucket:
             raise RuntimeError(f"flatgrad: the {self.mode.name} of bucket {self.id} failed on rank {self.rank}: {exc}") from exc
         return InFlight(self, views, work)
 
+    def unpack(self, received: torch.Tensor, shard: Any, accumulate: bool, collect_stats: bool) -> torch.Tensor | None:
+        """Write (``accumulate=False``) or add ``received`` into ``shard`` through the mode; the stats when asked.
+
+        ``InFlight.unpack`` calls it with what arrived; a caller that moved that elsewhere (ZeRO-3's host
+        staging) calls it with the copy.
+        """
+        return self.mode.unpack(self, received, shard, accumulate, collect_stats)
+
 
 class InFlight:
     """One bucket's started collective: wait for it, then unpack what arrived into a shard, returning the stats."""
@@ -181,7 +190,7 @@ class InFlight:
 
     @property
     def received(self) -> torch.Tensor:
-        """What the unpack reads (a caller may move it first, e.g. to the host, and pass the copy to ``unpack``)."""
+        """What the unpack reads (a caller may move it first, e.g. to the host, and pass the copy to ``Bucket.unpack``)."""
         return self.views.received
 
     def is_completed(self) -> bool:
@@ -200,17 +209,6 @@ class InFlight:
                 f"flatgrad: {b.mode.name} of bucket {b.id} failed on rank {b.rank} (world size {b.layout.world_size}): {exc}"
             ) from exc
 
-    def release_buffers(self) -> None:
-        """Drop the views of the comm buffers once what arrived was moved elsewhere; ``unpack`` then needs ``received``."""
-        self.views = None
-
-    def unpack(
-        self, shard: Any, accumulate: bool, collect_stats: bool, received: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """Write (``accumulate=False``) or add what arrived (or ``received``) into ``shard``; the stats when asked."""
-        b = self.bucket
-        if received is None:
-            if self.views is None:
-                raise RuntimeError(f"bucket {b.id}: its comm buffers were released; pass what arrived as received=")
-            received = self.views.received
-        return b.mode.unpack(b, received, shard, accumulate, collect_stats)
+    def unpack(self, shard: Any, accumulate: bool, collect_stats: bool) -> torch.Tensor | None:
+        """Write (``accumulate=False``) or add what arrived into ``shard``; the stats when asked."""
+        return self.bucket.unpack(self.views.received, shard, accumulate, collect_stats)
