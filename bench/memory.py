@@ -127,7 +127,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
         "largest_bucket": _largest_bucket(engine, job),
         "comm_bytes": 2 if job["dtype"] == "bf16" else 4,
     }
-    reduction = getattr(engine.optimizer, "_flatgrad", None)
+    reduction = getattr(engine.optimizer, "flatgrad", None)
     out["metadata_bytes"] = 0
     zero3 = getattr(engine.optimizer, "flatgrad", None)
     if zero3 is not None:
@@ -174,7 +174,7 @@ def _host_bytes(optimizer: Any) -> int:
 
 def _largest_bucket(engine: Any, job: dict) -> int:
     """The largest ZeRO-1/2 sub-group (flatgrad) or ``reduce_bucket_size``, in elements."""
-    reduction = getattr(engine.optimizer, "_flatgrad", None)
+    reduction = getattr(engine.optimizer, "flatgrad", None)
     if reduction is not None:
         return max(layout.numel for layout in reduction.layouts)
     return job["bucket"]

@@ -308,7 +308,7 @@ def _zero2_rank(rank: int, world_size: int, root: str) -> dict:
     for reduction in ("reduce_scatter", "2d_reduce_scatter", "hier_int8", "int8"):
         cfg = ds_config(2, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": "fp32"})
         engine, losses, continued, resumed = _train_save_resume(cfg, batches, os.path.join(root, reduction))
-        modes = {type(r.mode).__name__ for r in engine.optimizer._flatgrad.reducers}
+        modes = {type(r.mode).__name__ for r in engine.optimizer.flatgrad.reducers}
         out[reduction] = {
             "modes": modes, "losses": losses + continued, "params": params_of(engine),
             "resumed_losses": train(resumed, batches[8:]), "resumed_params": params_of(resumed),

@@ -180,7 +180,7 @@ def _describe(setup: Setup, engine: Any, model_name: str) -> dict:
     }
     if setup.stage == 2:
         info["param_groups"] = len(opt.bit16_groups)
-        reduction = getattr(opt, "_flatgrad", None)
+        reduction = getattr(opt, "flatgrad", None)
         if reduction is not None:
             info["sub_groups"] = len(opt.bit16_groups)
             info["sub_groups_multi_rank"] = sum(len(r.buckets) for r in reduction.reducers if r.world_size > 1)
