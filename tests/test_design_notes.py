@@ -24,13 +24,6 @@ _NOT_YET_MOVED = {
     "bench/reducer_step.py",
     "flatgrad/bench/pack_unpack.py",
     "flatgrad/comm.py",
-    "flatgrad/integrations/deepspeed/zero2/checkpoint.py",
-    "flatgrad/integrations/deepspeed/zero2/groups.py",
-    "flatgrad/integrations/deepspeed/zero2/reduction.py",
-    "flatgrad/integrations/deepspeed/zero2/seams.py",
-    "flatgrad/integrations/deepspeed/zero2/stats.py",
-    "flatgrad/integrations/deepspeed/zero2/step.py",
-    "flatgrad/integrations/deepspeed/zero2/stock_norm.py",
 }
 
 _HEADING = re.compile(r"^### \[Note: ([^\]\n]+)\]\s*$", re.M)

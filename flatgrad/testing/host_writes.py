@@ -55,9 +55,8 @@ class HostWrites:
         unpack = Bucket.unpack
 
         def counted_unpack(b: Bucket, received: Any, shard: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(shard, (list, tuple)):
-                shard = shard[0] if shard else None
-            if self._inside(shard):
+            first = shard[0] if isinstance(shard, (list, tuple)) and shard else shard
+            if self._inside(first):
                 self.unpacks += 1
             return unpack(b, received, shard, *args, **kwargs)
 
