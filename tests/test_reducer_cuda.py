@@ -1,4 +1,4 @@
-"""BucketReducer on CUDA over NCCL: the stream hand-off of [Note: streams] in ``flatgrad/reducer.py``.
+"""BucketReducer on CUDA over NCCL: the stream hand-off of [Note: streams] in docs/design.md.
 
 Each test runs real NCCL ranks (one GPU each, spawned) and checks three
 hand-offs, each made observable by a ``torch.cuda._sleep`` kernel that holds

@@ -104,7 +104,7 @@ class BucketReducer:
         register_hooks: register a post-accumulate-grad hook on every param
             that calls ``mark_ready``; ``False`` when the caller has its own hooks.
         collectives: what issues the collectives (``None``: ``torch.distributed``); see
-            [Note: collectives seam] in ``flatgrad.comm``.
+            [Note: collectives seam] in docs/design.md.
         shard_arena: ``None`` (each shard allocated on its own), or one arena position per
             bucket: the window's shards are then slices of one tensor, bucket ``b`` the
             ``shard_arena[b]``-th, so that an optimizer can update them as one tensor
@@ -113,12 +113,12 @@ class BucketReducer:
             elements, any float dtype, any device: an optimizer's host partitions under
             offload) into which every window's shard ends; written in place where the
             target is on the bucket's device with ``accum_dtype``, else delivered by one
-            copy per bucket (see [Note: shard targets] in ``flatgrad/reducer/shards.py``).
+            copy per bucket (see [Note: shard targets] in docs/design.md).
 
     Attributes:
         config: the ``ReducerConfig``.
         mode: the ``ReductionMode`` every bucket runs (see [Note: reduction modes] in
-            ``flatgrad.reducer.modes``).
+            docs/design.md).
         buckets: the buckets, as lists of params in layout order.
         layouts: one ``Layout`` per bucket.
         rank: this rank in ``process_group``.
@@ -131,7 +131,7 @@ class BucketReducer:
             during one; with ``shard_targets``, only for the targets not written in place).
         residual_bytes: bytes of the error-feedback residuals (held all the time; 0 without).
         topology: a two-stage reduction's placement of the group's ranks on nodes (``None`` for
-            the flat modes); see [Note: two-stage reductions] in ``flatgrad.reducer.topology``.
+            the flat modes); see [Note: two-stage reductions] in docs/design.md.
     """
 
     def __init__(

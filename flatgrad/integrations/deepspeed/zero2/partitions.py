@@ -68,7 +68,7 @@ def agree_on_setup(group: Any, local_error: Exception | None) -> None:
     """Raise on every rank of ``group`` if the setup failed on any (the reducer's agreement step).
 
     A rank that raised alone would leave the others waiting forever in the
-    reducers' first collective. See [Note: layout agreement] in ``flatgrad/reducer/agreement.py``.
+    reducers' first collective. See [Note: layout agreement] in docs/design.md.
     """
     import torch.distributed as tdist
 
