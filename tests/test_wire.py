@@ -597,7 +597,7 @@ def test_qgz_pool_holds_no_fp32_partial():
     from flatgrad.reducer.topology import Topology
 
     topology = Topology(4, 2, 4, 0, 0, (0, 1, 2, 3), (0, 4), tuple(range(8)))
-    mode = QuantizedTwoStage(topology, "qgz_int8", 64, True)
+    mode = QuantizedTwoStage(topology, "qgz_int8", "int8", 64, True)
     layout = Layout.flat([1000], 8)
     slots = mode.pool_slots([layout], torch.bfloat16)
     assert [(purpose, dtype) for purpose, _, dtype in slots] == [

@@ -65,6 +65,11 @@ class ReductionMode(abc.ABC):
     error_feedback: bool = False
     packs_comm_buffer: bool = True  # the pack writes a comm-dtype buffer (which a bucket may divide in place)
 
+    @classmethod
+    def build(cls, name: str, kind: str | None, block: int, error_feedback: bool, topology: Topology | None) -> "ReductionMode":
+        """The mode registered as ``name`` (with wire ``kind``), for a group placed as ``topology`` says."""
+        return cls()
+
     def describe(self) -> tuple:
         """What every rank must agree on about this mode (part of [Note: layout agreement])."""
         return (self.name, self.block, self.error_feedback)
@@ -214,6 +219,10 @@ class QuantizedWire(ReductionMode):
         self.block = block
         self.error_feedback = error_feedback
 
+    @classmethod
+    def build(cls, name, kind, block, error_feedback, topology) -> "QuantizedWire":
+        return cls(kind, block, error_feedback)
+
     def pack_plan(self, layout, count, dtype, device, backend) -> Any:
         return wire.PackQuantizePlan(layout, [None] * count, block=self.block, kind=self.name, device=device, backend=backend)
 
@@ -306,6 +315,10 @@ class TwoStageReduceScatter(ReduceScatter):
         self.node_group: dist.ProcessGroup | None = None
         self.rail_group: dist.ProcessGroup | None = None
 
+    @classmethod
+    def build(cls, name, kind, block, error_feedback, topology) -> "TwoStageReduceScatter":
+        return cls(topology)
+
     def describe(self) -> tuple:
         return (*super().describe(), f"node_size={self.topology.node_size}")
 
@@ -366,12 +379,16 @@ class HierarchicalQuantized(TwoStageReduceScatter):
     """Node stage in the comm dtype, then one quantize of the node-reduced chunk, an int8/fp8 all_to_all over
     the rail, and dequantize + fp32 sum in the unpack."""
 
-    def __init__(self, topology: Topology, name: str, block: int, error_feedback: bool) -> None:
+    def __init__(self, topology: Topology, name: str, kind: str, block: int, error_feedback: bool) -> None:
         super().__init__(topology)
         self.name = name
-        self.kind = name.removeprefix("hier_")
+        self.kind = kind
         self.block = block
         self.error_feedback = error_feedback
+
+    @classmethod
+    def build(cls, name, kind, block, error_feedback, topology) -> "HierarchicalQuantized":
+        return cls(topology, name, kind, block, error_feedback)
 
     def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
         # The node stage sums in the comm dtype (fp16: pre-scaled against overflow); 1/W is an fp32 multiply in the unpack.
@@ -477,12 +494,16 @@ class RequantizedViews:
 class QuantizedTwoStage(TwoStageReduceScatter):
     """int8/fp8 all_to_alls in both stages, dequantize + fp32 sum + requantize between them (ZeRO++ qgZ)."""
 
-    def __init__(self, topology: Topology, name: str, block: int, error_feedback: bool) -> None:
+    def __init__(self, topology: Topology, name: str, kind: str, block: int, error_feedback: bool) -> None:
         super().__init__(topology)
         self.name = name
-        self.kind = name.removeprefix("qgz_")
+        self.kind = kind
         self.block = block
         self.error_feedback = error_feedback
+
+    @classmethod
+    def build(cls, name, kind, block, error_feedback, topology) -> "QuantizedTwoStage":
+        return cls(topology, name, kind, block, error_feedback)
 
     def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
         return ReductionMode.averaging(self, average, world_size, dtype, group, device)  # fp32 sums: 1/W in the unpack

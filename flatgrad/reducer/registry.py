@@ -118,17 +118,6 @@ def entry(name: str, key: str = "reduction") -> ModeEntry:
     return found
 
 
-_BUILD: dict[type, Callable[[ModeEntry, int, bool, Topology | None], ReductionMode]] = {
-    ReduceScatter: lambda e, block, feedback, topology: ReduceScatter(),
-    ExactSum: lambda e, block, feedback, topology: ExactSum(),
-    QuantizedWire: lambda e, block, feedback, topology: QuantizedWire(e.kind, block, feedback),
-    TwoStageReduceScatter: lambda e, block, feedback, topology: TwoStageReduceScatter(topology),
-    HierarchicalExact: lambda e, block, feedback, topology: HierarchicalExact(topology),
-    HierarchicalQuantized: lambda e, block, feedback, topology: HierarchicalQuantized(topology, e.name, block, feedback),
-    QuantizedTwoStage: lambda e, block, feedback, topology: QuantizedTwoStage(topology, e.name, block, feedback),
-}
-
-
 def build_mode(
     name: str, world_size: int, *, block: int = 256, error_feedback: bool = False, topology: Topology | None = None
 ) -> ReductionMode:
@@ -153,7 +142,7 @@ def build_mode(
                 stacklevel=3,
             )
             return flat
-    return _BUILD[mode.cls](mode, block, error_feedback if mode.kind else False, topology)
+    return mode.cls.build(mode.name, mode.kind, block, error_feedback if mode.kind else False, topology)
 
 
 def check_options(name: str, block: int, error_feedback: bool, key: Callable[[str], str] = str) -> ModeEntry:
