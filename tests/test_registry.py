@@ -38,7 +38,9 @@ def test_docs_table_of_modes_is_the_registry():
     text = (_ROOT / "docs" / "design.md").read_text()
     found = _TABLE.search(text)
     assert found, "docs/design.md has no '<!-- modes table -->' block"
-    assert found.group(1) == _table(), "docs/design.md's table of modes differs from the registry; it should read:\n" + _table()
+    assert found.group(1) == _table(), (
+        "docs/design.md's table of modes differs from the registry; it should read:\n" + _table()
+    )
 
 
 def test_every_list_of_modes_derives_from_the_registry():
@@ -86,7 +88,9 @@ def test_unknown_modes_and_options_name_their_key():
         ReducerConfig(reduction="hier")
     with pytest.raises(UnsupportedConfigError, match=r"'flatgrad\.reduction' must be one of"):
         FlatgradConfig.from_dict({"reduction": "int4"})
-    with pytest.raises(UnsupportedConfigError, match=r"'flatgrad\.error_feedback' needs a quantized 'flatgrad\.reduction'"):
+    with pytest.raises(
+        UnsupportedConfigError, match=r"'flatgrad\.error_feedback' needs a quantized 'flatgrad\.reduction'"
+    ):
         FlatgradConfig.from_dict({"reduction": "exact", "error_feedback": True})
     with pytest.raises(UnsupportedConfigError, match=r"'flatgrad\.block'"):
         FlatgradConfig.from_dict({"reduction": "int8", "block": 100})

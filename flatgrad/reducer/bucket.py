@@ -125,7 +125,10 @@ class Bucket:
         for i, p in enumerate(self.params):
             g = p.grad
             if g is not None and not (
-                g.dtype == p.dtype and g.device == self.device and g.numel() == self.layout.numels[i] and g.is_contiguous()
+                g.dtype == p.dtype
+                and g.device == self.device
+                and g.numel() == self.layout.numels[i]
+                and g.is_contiguous()
             ):
                 g = self._conform(i, p, g)
             grads.append(g)
@@ -166,7 +169,9 @@ class Bucket:
         try:
             work = self.mode.start(self, views, group, collectives)
         except Exception as exc:
-            raise RuntimeError(f"flatgrad: the {self.mode.name} of bucket {self.id} failed on rank {self.rank}: {exc}") from exc
+            raise RuntimeError(
+                f"flatgrad: the {self.mode.name} of bucket {self.id} failed on rank {self.rank}: {exc}"
+            ) from exc
         return InFlight(self, views, work)
 
     def unpack(self, received: torch.Tensor, shard: Any, accumulate: bool, collect_stats: bool) -> torch.Tensor | None:

@@ -66,7 +66,9 @@ class ReductionMode(abc.ABC):
     packs_comm_buffer: bool = True  # the pack writes a comm-dtype buffer (which a bucket may divide in place)
 
     @classmethod
-    def build(cls, name: str, kind: str | None, block: int, error_feedback: bool, topology: Topology | None) -> "ReductionMode":
+    def build(
+        cls, name: str, kind: str | None, block: int, error_feedback: bool, topology: Topology | None
+    ) -> "ReductionMode":
         """The mode registered as ``name`` (with wire ``kind``), for a group placed as ``topology`` says."""
         return cls()
 
@@ -82,7 +84,9 @@ class ReductionMode(abc.ABC):
             return comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0)
         return comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0 / world_size)  # the unpack sums in fp32: average there
 
-    def pack_plan(self, layout: Layout, count: int, dtype: torch.dtype, device: torch.device, backend: str | None) -> Any:
+    def pack_plan(
+        self, layout: Layout, count: int, dtype: torch.dtype, device: torch.device, backend: str | None
+    ) -> Any:
         """The bucket's pack plan, validated once (see [Note: plans] in docs/design.md)."""
         return PackPlan(layout, [None] * count, dtype=dtype, device=device, backend=backend)
 
@@ -114,7 +118,9 @@ class ReductionMode(abc.ABC):
         """Fill what the bucket's collective sends."""
 
     @abc.abstractmethod
-    def start(self, b: BucketPlan, views: Any, group: dist.ProcessGroup | None, collectives: comm.Collectives | None) -> Any:
+    def start(
+        self, b: BucketPlan, views: Any, group: dist.ProcessGroup | None, collectives: comm.Collectives | None
+    ) -> Any:
         """Start the bucket's collective (async); returns its work handle or ``None``."""
 
     @abc.abstractmethod
@@ -173,7 +179,9 @@ class ReduceScatter(ReductionMode):
         )  # fmt: skip
 
     def unpack(self, b, received, shard, accumulate, collect_stats) -> Any:
-        return b.unpack_plan_for(shard)(received, shard, scale=b.unpack_scale, accumulate=accumulate, return_stats=collect_stats)
+        return b.unpack_plan_for(shard)(
+            received, shard, scale=b.unpack_scale, accumulate=accumulate, return_stats=collect_stats
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +214,9 @@ class ExactSum(ReductionMode):
         return comm.all_to_all(views.received, views.input, group=group, async_op=True, collectives=collectives)
 
     def unpack(self, b, received, shard, accumulate, collect_stats) -> Any:
-        return b.wire_kernels.sum_sources(received, b.layout.world_size, shard, b.unpack_scale, accumulate, collect_stats)
+        return b.wire_kernels.sum_sources(
+            received, b.layout.world_size, shard, b.unpack_scale, accumulate, collect_stats
+        )
 
 
 class QuantizedWire(ReductionMode):
@@ -224,7 +234,9 @@ class QuantizedWire(ReductionMode):
         return cls(kind, block, error_feedback)
 
     def pack_plan(self, layout, count, dtype, device, backend) -> Any:
-        return wire.PackQuantizePlan(layout, [None] * count, block=self.block, kind=self.name, device=device, backend=backend)
+        return wire.PackQuantizePlan(
+            layout, [None] * count, block=self.block, kind=self.name, device=device, backend=backend
+        )
 
     def residual(self, layout, device) -> torch.Tensor | None:
         if not self.error_feedback:
@@ -409,7 +421,11 @@ class HierarchicalQuantized(TwoStageReduceScatter):
 
     def pool_slots(self, layouts, comm_dtype) -> list[PoolSlot]:
         nbytes = max(self._wire_bytes(layout) for layout in layouts)
-        return [*super().pool_slots(layouts, comm_dtype), ("wire_send", nbytes, torch.uint8), ("wire_recv", nbytes, torch.uint8)]
+        return [
+            *super().pool_slots(layouts, comm_dtype),
+            ("wire_send", nbytes, torch.uint8),
+            ("wire_recv", nbytes, torch.uint8),
+        ]
 
     def bind(self, b, buffers) -> HierarchicalViews:
         node = super().bind(b, buffers)
@@ -422,7 +438,9 @@ class HierarchicalQuantized(TwoStageReduceScatter):
     def start(self, b, views, group, collectives) -> Any:
         def rail() -> Any:
             b.wire_kernels.quantize(views.stage, self.topology.num_nodes, self.block, self.kind, views.send, b.residual)
-            return comm.all_to_all(views.received, views.send, group=self.rail_group, async_op=True, collectives=collectives)
+            return comm.all_to_all(
+                views.received, views.send, group=self.rail_group, async_op=True, collectives=collectives
+            )
 
         return StagedWork(self._node_stage(b, views, collectives), rail)
 
@@ -472,12 +490,16 @@ class HierarchicalExact(TwoStageReduceScatter):
 
         def rail() -> Any:
             b.wire_kernels.sum_sources(views.recv, self.topology.local_size, views.partial, 1.0, False, False)
-            return comm.all_to_all(views.received, views.partial, group=self.rail_group, async_op=True, collectives=collectives)
+            return comm.all_to_all(
+                views.received, views.partial, group=self.rail_group, async_op=True, collectives=collectives
+            )
 
         return StagedWork(first, rail)
 
     def unpack(self, b, received, shard, accumulate, collect_stats) -> Any:
-        return b.wire_kernels.sum_sources(received, self.topology.num_nodes, shard, b.unpack_scale, accumulate, collect_stats)
+        return b.wire_kernels.sum_sources(
+            received, self.topology.num_nodes, shard, b.unpack_scale, accumulate, collect_stats
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,13 +565,19 @@ class QuantizedTwoStage(TwoStageReduceScatter):
         numel = b.layout.numel
         first_residual = None if b.residual is None else b.residual.narrow(0, 0, numel)
         k.quantize(views.input, t.local_size, self.block, self.kind, views.node_send, first_residual)
-        first = comm.all_to_all(views.node_recv, views.node_send, group=self.node_group, async_op=True, collectives=collectives)
+        first = comm.all_to_all(
+            views.node_recv, views.node_send, group=self.node_group, async_op=True, collectives=collectives
+        )
 
         def rail() -> Any:
             s = b.layout.shard_numel
             second_residual = None if b.residual is None else b.residual.narrow(0, numel, t.num_nodes * s)
-            k.requantize(views.node_recv, t.local_size, self.block, self.kind, views.rail_send, t.num_nodes, s, second_residual)
-            return comm.all_to_all(views.received, views.rail_send, group=self.rail_group, async_op=True, collectives=collectives)
+            k.requantize(
+                views.node_recv, t.local_size, self.block, self.kind, views.rail_send, t.num_nodes, s, second_residual
+            )
+            return comm.all_to_all(
+                views.received, views.rail_send, group=self.rail_group, async_op=True, collectives=collectives
+            )
 
         return StagedWork(first, rail)
 

@@ -203,7 +203,7 @@ class BucketReducer:
 
     def _describe_buckets(self, buckets: Sequence[Sequence[nn.Parameter]], register_hooks: bool) -> list["_BucketSpec"]:
         """Validate the buckets and describe every one; allocates nothing."""
-        cfg = self.config
+        config = self.config
         if isinstance(buckets, torch.Tensor) or not isinstance(buckets, Sequence) or not buckets:
             raise TypeError("buckets must be a non-empty list of lists of parameters")
         seen: dict[int, tuple[int, int]] = {}
@@ -235,15 +235,15 @@ class BucketReducer:
                 seen[id(p)] = (b, i)
             device = params[0].device
             dtypes = {p.dtype for p in params}
-            if cfg.comm_dtype is None and len(dtypes) > 1:
+            if config.comm_dtype is None and len(dtypes) > 1:
                 raise ValueError(f"buckets[{b}] mixes dtypes {sorted(map(str, dtypes))}; pass comm_dtype=")
-            dtype = cfg.comm_dtype if cfg.comm_dtype is not None else params[0].dtype
-            layout = Layout.make(cfg.layout, [p.numel() for p in params], self.world_size, cfg.align)
-            avg = self.mode.averaging(cfg.average, self.world_size, dtype, self.process_group, device)
-            method = comm.resolve_method(cfg.method, self.process_group, device)
-            backend = getattr(resolve_backend(cfg.backend, device), "name", None)
+            dtype = config.comm_dtype if config.comm_dtype is not None else params[0].dtype
+            layout = Layout.make(config.layout, [p.numel() for p in params], self.world_size, config.align)
+            avg = self.mode.averaging(config.average, self.world_size, dtype, self.process_group, device)
+            method = comm.resolve_method(config.method, self.process_group, device)
+            backend = getattr(resolve_backend(config.backend, device), "name", None)
             description = (
-                cfg.layout, cfg.align, str(dtype), str(avg.op), method, self.mode.describe(),
+                config.layout, config.align, str(dtype), str(avg.op), method, self.mode.describe(),
                 None if self.topology is None else self.topology.node_size,
                 tuple((tuple(p.shape), str(p.dtype)) for p in params),
             )  # fmt: skip

@@ -67,7 +67,9 @@ class ModeEntry:
         return len(self.stages) == 2
 
 
-def _flat(name: str, cls: type[ReductionMode], stage: Stage, kind: str | None, summary: str, zero=(1, 2, 3)) -> ModeEntry:
+def _flat(
+    name: str, cls: type[ReductionMode], stage: Stage, kind: str | None, summary: str, zero=(1, 2, 3)
+) -> ModeEntry:
     return ModeEntry(name, cls, (stage,), frozenset(zero), kind, summary)
 
 

@@ -48,14 +48,14 @@ class Route:
         backend: ``"zero2"`` (stages 1/2), ``"zero3"``, or ``"stock"`` (flatgrad disabled by its section).
         arguments: the call's arguments by name, the config replaced by one without the section.
         ds_config: the DeepSpeed config without the ``"flatgrad"`` section.
-        cfg: the ``"flatgrad"`` section.
+        flatgrad_config: the ``"flatgrad"`` section.
         reason: why the route is stock (empty otherwise).
     """
 
     backend: str
     arguments: dict
     ds_config: dict
-    cfg: FlatgradConfig
+    flatgrad_config: FlatgradConfig
     reason: str = ""
 
 
@@ -89,7 +89,7 @@ def _take_config(arguments: dict) -> Any:
     return config
 
 
-def _check_zero2_call(arguments: dict, ds_config: dict, cfg: FlatgradConfig) -> None:
+def _check_zero2_call(arguments: dict, ds_config: dict, flatgrad_config: FlatgradConfig) -> None:
     """Refusals that need the call's objects (the model, a client optimizer or scheduler)."""
     import torch
 
@@ -118,7 +118,7 @@ def _check_zero2_call(arguments: dict, ds_config: dict, cfg: FlatgradConfig) -> 
         # Every torch LR scheduler sets 'initial_lr' on the groups it is bound to, passed here or not.
         bound = any("initial_lr" in g for g in optimizer.param_groups)
         if passed or bound:
-            bucket = cfg.bucket_numel or int(config_value(ds_config, "zero_optimization.reduce_bucket_size", 500_000_000))
+            bucket = flatgrad_config.bucket_numel or int(config_value(ds_config, "zero_optimization.reduce_bucket_size", 500_000_000))
             order = {p: k for k, (_, p) in enumerate(model.named_parameters())} if model is not None else {}
             split = zero2.split_param_groups(optimizer.param_groups, order, bucket)
             if len(split) != len(optimizer.param_groups):
@@ -144,16 +144,16 @@ def stock_arguments(*args: Any, **kwargs: Any) -> dict:
 def route(*args: Any, **kwargs: Any) -> Route:
     """Decide the route of one ``deepspeed.initialize(*args, **kwargs)`` call; raise if flatgrad cannot take it."""
     arguments = _bind(args, kwargs)
-    ds_config, cfg = split_config(_take_config(arguments))
+    ds_config, flatgrad_config = split_config(_take_config(arguments))
     arguments["config"] = ds_config
-    if not cfg.enabled:
-        return Route("stock", arguments, ds_config, cfg, "the 'flatgrad.enabled' config key is false")
+    if not flatgrad_config.enabled:
+        return Route("stock", arguments, ds_config, flatgrad_config, "the 'flatgrad.enabled' config key is false")
     check_deepspeed_version()
     check_supported(ds_config)
     stage = zero_stage(ds_config)
     if stage in (1, 2):
-        _check_zero2_call(arguments, ds_config, cfg)
-        return Route("zero2", arguments, ds_config, cfg)
+        _check_zero2_call(arguments, ds_config, flatgrad_config)
+        return Route("zero2", arguments, ds_config, flatgrad_config)
     if stage == 3:
         try:
             zero3 = importlib.import_module(f"{__package__}.zero3")  # it needs DeepSpeed's stage-3 optimizer
@@ -162,9 +162,9 @@ def route(*args: Any, **kwargs: Any) -> Route:
                 f"flatgrad's ZeRO-3 backend is not available ({exc}) ('zero_optimization.stage' = 3)"
             ) from exc
         zero3.check_offload(ds_config)
-        if cfg.reduction not in zero3.ZERO3_REDUCTIONS:
+        if flatgrad_config.reduction not in zero3.ZERO3_REDUCTIONS:
             raise UnsupportedConfigError(
-                f"'flatgrad.reduction' = {cfg.reduction!r} is not supported by flatgrad's ZeRO-3 backend (ZeRO-1/2 "
+                f"'flatgrad.reduction' = {flatgrad_config.reduction!r} is not supported by flatgrad's ZeRO-3 backend (ZeRO-1/2 "
                 f"only); use one of {zero3.ZERO3_REDUCTIONS} ('zero_optimization.stage' = 3)"
             )
         if arguments.get("optimizer") is None and "optimizer" not in ds_config:
@@ -173,7 +173,7 @@ def route(*args: Any, **kwargs: Any) -> Route:
                 "reduces no gradients: DeepSpeed builds it for inference (ZeRO-Inference / frozen models), "
                 "which needs no flatgrad"
             )
-        return Route("zero3", arguments, ds_config, cfg)
+        return Route("zero3", arguments, ds_config, flatgrad_config)
     raise UnsupportedConfigError(
         f"ZeRO stage {stage} has no gradient partitioning for flatgrad to replace ('zero_optimization.stage'); "
         "flatgrad handles stages 1, 2 and 3"
@@ -183,7 +183,7 @@ def route(*args: Any, **kwargs: Any) -> Route:
 QUIET_VAR = "FLATGRAD_QUIET"
 
 
-def _announce(message: str, cfg: FlatgradConfig) -> None:
+def _announce(message: str, flatgrad_config: FlatgradConfig) -> None:
     """The take-over line, once on rank 0, on stderr: visible under DeepSpeed's default WARNING level.
 
     ``FLATGRAD_QUIET=1`` or ``"flatgrad": {"announce": false}`` silences it; it
@@ -194,7 +194,7 @@ def _announce(message: str, cfg: FlatgradConfig) -> None:
     import torch.distributed as dist
 
     logger.info(message)
-    if not cfg.announce or os.environ.get(QUIET_VAR, "") not in ("", "0"):
+    if not flatgrad_config.announce or os.environ.get(QUIET_VAR, "") not in ("", "0"):
         return
     if dist.is_initialized() and dist.get_rank() != 0:
         return
@@ -210,15 +210,15 @@ def run(p: Route) -> tuple:
     if p.backend == "zero2":
         from . import zero2
 
-        with zero2.prepare(p.cfg):
+        with zero2.prepare(p.flatgrad_config):
             result = original(**p.arguments)
-        _announce(zero2.install(result[0], p.cfg).describe(), p.cfg)
+        _announce(zero2.install(result[0], p.flatgrad_config).describe(), p.flatgrad_config)
         return result
     if p.backend == "zero3":
         from .zero3 import install as zero3_install
 
         result = original(**p.arguments)
-        _announce(zero3_install(result[0], p.cfg).describe(), p.cfg)
+        _announce(zero3_install(result[0], p.flatgrad_config).describe(), p.flatgrad_config)
         return result
     raise ValueError(f"unknown route {p.backend!r}")
 
