@@ -195,8 +195,7 @@ class _Config(NamedTuple):
     num_warps: int
 
 
-# Not tuned: no GPU was available while writing this backend, so these are common
-# choices for a memory-bound copy (16 elements per thread on CUDA), not measured ones.
+# Not tuned: common choices for a memory-bound copy (16 elements per thread on CUDA).
 # Under the interpreter a smaller block splits runs more often, which the tests rely on
 # to cover run boundaries, at a cost the interpreter's per-program overhead keeps small.
 _CONFIGS = {"cuda": _Config(block=4096, num_warps=8), "cpu": _Config(block=1024, num_warps=1)}

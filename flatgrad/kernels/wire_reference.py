@@ -42,11 +42,11 @@ tensor (``None``) are ``x = 0``; then the block quantize below (with the
 residual added to every element, padding included). It reads the gradients
 through the layout's pack run table, as the regular pack does.
 
-The reducer's int8/fp8 modes used to pack into a comm-dtype (e.g. bf16) buffer
-and quantize that: the values were rounded twice, to the comm dtype and then
-to the wire. The fused path quantizes the fp32 values, one rounding fewer
-(more accurate, intended), and so on purpose not bitwise what the unfused
-bf16 pack + quantize gave; nor does it need the comm-dtype buffer.
+A pack into a comm-dtype (e.g. bf16) buffer followed by a quantize of that
+buffer would round every value twice, to the comm dtype and then to the wire.
+The fused path quantizes the fp32 values, one rounding fewer (more accurate,
+intended), and so on purpose not bitwise what a bf16 pack + quantize gives;
+nor does it need the comm-dtype buffer.
 
 [Note: requantize]
 ``requantize(wire_in, sources, block, kind, wire_out, segments, shard_numel, residual)``
