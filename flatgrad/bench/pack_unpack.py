@@ -2,7 +2,7 @@
 
 The question: how close do ``flatgrad.pack`` and ``flatgrad.unpack`` come to one
 contiguous copy of the same bytes, and how much faster are they than what
-DeepSpeed and PyTorch do today? Every figure is measured in the same process,
+DeepSpeed and PyTorch do? Every figure is measured in the same process,
 on the same tensors, next to its baselines.
 
 Buckets:
@@ -889,7 +889,7 @@ def write_plot(doc: dict, path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options, shared by ``flatgrad bench`` and ``bench/pack_unpack.py``."""
-    parser.add_argument("--quick", action="store_true", help="small buckets and few repeats (CI, < 30 s on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="small buckets and few repeats (CI)")
     parser.add_argument("--world-size", type=int, default=8, help="W, ranks the layouts are built for (default 8)")
     parser.add_argument("--repeats", type=int, help="timed calls per row (default 20; --quick: 3)")
     parser.add_argument(
