@@ -2,9 +2,9 @@
 //
 // _pack_quantize_table: wire <- blockwise int8/fp8 of the fp32 pack of a plan's
 // tensors (+ residual), without the packed buffer. See [Note: pack-quantize] in
-// flatgrad/kernels/wire_reference.py for the contract (the reference is the
+// docs/design.md for the contract (the reference is the
 // oracle, bit for bit), [Note: wire format] for the bytes written, and
-// [Note: plans] in flatgrad/kernels/_plan.py for the tensor table.
+// [Note: plans] in docs/design.md for the tensor table.
 //
 // Work: one quantization block (destination w, block j) at a time, in parallel
 // over blocks. A block's elements are gathered along the pack run table (binary
@@ -175,7 +175,7 @@ void pack_quantize_table_cpu(const at::Tensor& table, const at::Tensor& runs, in
 }  // namespace flatgrad
 
 TORCH_LIBRARY_FRAGMENT(flatgrad, m) {
-  // A plan's op (see [Note: plans] in flatgrad/kernels/_plan.py): the tensors come
+  // A plan's op (see [Note: plans] in docs/design.md): the tensors come
   // as its table of (address, dtype code) rows; `runs` is the layout's pack run
   // table. Eager only, as _pack_table: the schema cannot name what the addresses alias.
   // numel: the elements the runs cover (the layout's numel), so that no backend reads the runs on the host.

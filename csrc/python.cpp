@@ -1,7 +1,7 @@
 // The Python module flatgrad._C. Loading it registers the ops (csrc/flatgrad.cpp
 // declares them; the CPU and CUDA kernels implement them). It also holds the
 // plans' per-call check, refresh_table (see [Note: plans] in
-// flatgrad/kernels/_plan.py): one C loop over a Python list of tensors, so that
+// docs/design.md): one C loop over a Python list of tensors, so that
 // a plan's call costs no per-tensor Python work.
 
 #include <Python.h>

@@ -14,7 +14,7 @@
 //
 // Arithmetic and byte layout are the reference's, bit for bit: see
 // [Note: wire format] and [Note: wire arithmetic contract] in
-// flatgrad/kernels/wire_reference.py. setup.py passes -ffp-contract=off, so no
+// docs/design.md. setup.py passes -ffp-contract=off, so no
 // multiply-add is fused; the sums run over ranks 0..W-1 in order.
 
 #include <ATen/Dispatch.h>
@@ -61,7 +61,7 @@ constexpr int kLanes = 8;
 // does not vectorise). Normal: the exponent rebiased (+120) and the 3 mantissa bits moved
 // into place; subnormal (e == 0): 2**-6 * (1 + m/8) - 2**-6 = m * 2**-9, exactly; 0x7F / 0xFF:
 // NaN with torch's bits (0x7FF00000, signed). The scalar form, for the tails of the AVX2 loop
-// and for CPUs without AVX2 + F16C; gcc vectorises it poorly (about 1 ns/element).
+// and for CPUs without AVX2 + F16C; gcc vectorises it poorly.
 inline float fp8_to_float(uint8_t b) {
   const uint32_t x = b;
   const uint32_t sign = (x & 0x80u) << 24;
@@ -73,16 +73,9 @@ inline float fp8_to_float(uint8_t b) {
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define FLATGRAD_HAVE_FP8_AVX2 1
-// [Note: fp8 decode on x86]
-// 16 e4m3fn bytes -> 16 floats, exactly, through the hardware fp16 -> fp32 conversion: the
-// byte s.eeee.mmm shifted into an fp16 as s.0eeee.mmm0000000 is the value / 256 (exponent
-// bias 15 against 7; e == 0 lands on the fp16 subnormals, which vcvtph2ps converts exactly
-// whatever MXCSR.DAZ says), so one exact multiply by 256 finishes it. 0x7F / 0xFF become the
-// fp16 NaN 0x7F80 (signed), which converts to torch's 0x7FF00000 and survives the multiply.
-// Checked bitwise against torch's float8_e4m3fn -> float32 cast for all 256 bytes
-// (tests/test_wire.py). Measured single-threaded on L1-resident 256-element blocks (Xeon,
-// AVX-512 capable): 0.18 ns/element, as fast as the int8 loop; fp8_to_float vectorised by
-// gcc 12 ran at 0.5-1.0 ns/element, and hand-written AVX2 integer selects at 0.34.
+// 16 e4m3fn bytes -> 16 floats, exactly, through the hardware fp16 -> fp32 conversion (the
+// byte shifted into an fp16 is the value / 256) and one exact multiply, in place of the
+// per-byte integer decode above. See [Note: fp8 decode on x86] in docs/design.md.
 __attribute__((target("avx2,f16c"))) inline void fp8x16(const uint8_t* q, __m256& lo, __m256& hi) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);  // b << 8
@@ -345,7 +338,7 @@ at::Tensor wire_dequantize_sum_cpu(const at::Tensor& wire_buf, int64_t world_siz
   return result;
 }
 
-// The fused dequantize + fp32 sum + quantize (see [Note: requantize] in flatgrad/kernels/wire_reference.py):
+// The fused dequantize + fp32 sum + quantize (see [Note: requantize] in docs/design.md):
 // parallel over the output blocks, as wire_quantize. Output block (n, j) covers the elements [e0, e0 + len) of
 // the (virtual) fp32 partial of segments * S elements, which may straddle two input blocks (of the input
 // segments of segments * S elements): each piece is dequantized with its own input block's scale, the sources

@@ -13,33 +13,13 @@ segment ``[r * shard_numel, (r + 1) * shard_numel)``. Two layouts exist:
   ``align=1`` this is ``torch._chunk_cat(..., num_chunks=world_size)`` and
   DeepSpeed ZeRO-3's per-parameter partitioning.
 
-[Note: run tables]
-Kernels never walk the layout itself. They read static *run tables*, derived
-once per layout and cached (``pack_runs``, ``unpack_runs``), and backends keep
-one device copy of each (see ``flatgrad.kernels._tables``):
+Kernels never walk a layout: they read its run tables (``pack_runs``,
+``unpack_runs``), derived once and cached, so that one run is one unit of
+parallel work. See [Note: run tables] in docs/design.md.
 
-* a pack run ``(dst_offset, tensor_index, src_offset, length, valid)`` writes
-  ``buffer[dst_offset : dst_offset + length]``; its first ``valid`` elements
-  come from ``tensors[tensor_index].view(-1)[src_offset:]`` and the rest are
-  zero. ``tensor_index == -1`` marks pure padding (``valid == 0``). The runs of
-  a layout tile the whole buffer exactly once.
-* an unpack run ``(src_offset, out_index, out_offset, length)`` reads
-  ``shard[src_offset : src_offset + length]`` into
-  ``outs[out_index].view(-1)[out_offset:]``.
-
-Runs may be split to at most ``max_len`` elements so that every run is one
-unit of parallel work (a CUDA block, a Triton program, a CPU task).
-
-[Note: segment order]
-A two-stage reduction (see [Note: two-stage reductions] in
-``flatgrad/reducer/topology.py``) reduce-scatters within a node, then over a
-rail; each stage hands rank ``k`` of its group the ``k``-th equal chunk of
-what it reduces. For rank ``g`` to end with its own segment, the pack writes
-segment ``g`` at the buffer position those two splits leave on ``g``:
-``positions[g]``. ``Layout.reordered(positions)`` is the same layout with the
-pack's run table cut at segment boundaries and moved there (at plan time; the
-kernels read runs as ever). ``pieces`` and the unpack, which see one shard,
-are unchanged.
+A two-stage reduction needs every rank's segment where its two splits leave
+it; ``reordered`` moves the pack's runs there once, at plan time, so the
+kernels are unchanged. See [Note: segment order] in docs/design.md.
 
 This module knows nothing of torch.distributed, DeepSpeed or kernels.
 """

@@ -90,13 +90,11 @@ def test_the_two_stage_expectation_fails_when_the_rail_stage_is_left_out() -> No
         b = Bucket(0, params, layout, 3, comm_dtype=torch.float32, averaging=averaging,
                    method="tensor", backend=None, mode=mode, prescale=1.0, postscale=1.0, streams=None)  # fmt: skip
         stand_in = streams.StandInCollectives([0])
-        mode.bind(b, "input", torch.empty(layout.numel), 3, 4)
-        b.pack(grads)
-        work = b.start(group, 3, stand_in.collectives())
+        flight = b.reduce(grads, group, stand_in.collectives(), buffers={"input": torch.empty(layout.numel)})
         if rail:
-            work.wait()
-        b.shard, b.accumulate = torch.empty(s), False
-        b.unpack(3, 4, False)
-        shards[rail] = (b.shard.clone(), stand_in.calls)
+            flight.wait()
+        shard = torch.empty(s)
+        flight.unpack(shard, False, False)
+        shards[rail] = (shard, stand_in.calls)
     assert torch.equal(shards[True][0], expected) and shards[True][1] == 2
     assert not torch.equal(shards[False][0], expected) and shards[False][1] == 1

@@ -1,7 +1,7 @@
 """ZeRO-1/2 with CPU optimizer offload under flatgrad, against stock DeepSpeed's offload on real gloo ranks.
 
 Under offload the reducers' shards are the optimizer's host fp32 gradient partitions
-(``zero2/reduction.py``, [Note: ZeRO-Offload]); the step is flatgrad's, with stock's arithmetic.
+([Note: ZeRO-Offload] in docs/design.md); the step is flatgrad's, with stock's arithmetic.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _equivalence_rank(rank: int, world_size: int, cases: list) -> list:
             engine = _engine(kind, _offload_config(stage, gas, world_size, clip, pin))
             counter = count_collectives()
             losses = train(engine, batches, backward_counter=counter)
-            reduction = getattr(engine.optimizer, "_flatgrad", None)
+            reduction = getattr(engine.optimizer, "flatgrad", None)
             result[kind] = {
                 "losses": losses,
                 "params": params_of(engine),
@@ -185,7 +185,7 @@ def _transfers_rank(rank: int, world_size: int, dtype: str, gas: int) -> dict:
     train(stock, batches, dtype=torch.bfloat16 if dtype == "bf16" else None)
     fg = _engine("flatgrad", cfg)
     train(fg, batches, dtype=torch.bfloat16 if dtype == "bf16" else None)
-    reducers = fg.optimizer._flatgrad.reducers
+    reducers = fg.optimizer.flatgrad.reducers
     from flatgrad.planner.models import describe
     from flatgrad.planner.offload import offload_copies
 
@@ -240,7 +240,7 @@ def _checkpoint_rank(rank: int, world_size: int, root: str) -> dict:
     return {
         "continued": continued, "final": final, "at_save": at_save, "consolidated": consolidated,
         "resumed_losses": resumed_losses, "resumed_final": params_of(resumed),
-        "offload": resumed.optimizer._flatgrad.offload,
+        "offload": resumed.optimizer.flatgrad.offload,
     }  # fmt: skip
 
 

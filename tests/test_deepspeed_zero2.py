@@ -184,7 +184,7 @@ def _equivalence_rank(rank, world_size, cases):
                         engine.step()
             else:
                 losses = train(engine, batches, backward_counter=counter)
-            reduction = getattr(engine.optimizer, "_flatgrad", None)
+            reduction = getattr(engine.optimizer, "flatgrad", None)
             used = {
                 "reductions": reduction.reductions if reduction is not None else 0,
                 "reduce_scatters": counter.count("reduce_scatter"),
@@ -613,12 +613,12 @@ def _memory_rank(rank, world_size, stage, dtype):
             alive = []
             for x, y in batches:
                 engine.backward(engine(x.to(torch_dtype), y.to(torch_dtype)))
-                reduction = getattr(engine.optimizer, "_flatgrad", None)
+                reduction = getattr(engine.optimizer, "flatgrad", None)
                 if reduction is not None:
                     alive.append(reduction.reducers[0].has_shards())
                 engine.step()
                 if reduction is not None:
-                    alive.append(reduction.partitions is not None or reduction.reducers[0].has_shards())
+                    alive.append(reduction.window.partitions is not None or reduction.reducers[0].has_shards())
             census.mark("between steps", blocks=True)
             # What was made after the build and is still live between steps, besides the optimizer's state,
             # described while it is live: a failure of the bound below names it (flatgrad's tables, or else).
@@ -684,7 +684,7 @@ def _pool_slots_rank(rank: int, world_size: int) -> dict:
         ("set", {"overlap_comm": True}, {"comm_buffers": 1}),
     ):
         engine = _engine("flatgrad", ds_config(2, bucket=600, flatgrad=flatgrad, **zero))
-        reducer = engine.optimizer._flatgrad.reducers[0]
+        reducer = engine.optimizer.flatgrad.reducers[0]
         out[name] = reducer.comm_buffer_bytes // (max(lay.numel for lay in reducer.layouts) * 4)
         engine.destroy()
     return out
@@ -716,22 +716,22 @@ def _stats_rank(rank, world_size, moe, clip):
         norms, reads, step_calls, global_norms = [], [], [], []
         for k, (x, y) in enumerate(batches):
             engine.backward(engine(x, y))
-            reduction = getattr(engine.optimizer, "_flatgrad", None)
+            reduction = getattr(engine.optimizer, "flatgrad", None)
             if reduction is not None and engine.is_gradient_accumulation_boundary():
-                from_stats = reduction.scaled_global_norm()
-                reduction._window.forget()
-                squared = reduction._squared_norms_from_partitions().sqrt()
+                from_stats = reduction.stats.scaled_global_norm()
+                reduction.window.step_stats.forget()
+                squared = reduction.stats.squared_norms_from_partitions().sqrt()
                 from deepspeed.runtime.utils import combine_grad_norm_groups
 
                 if engine.optimizer.has_moe_layers:
-                    for pg, indices in reduction._moe_groups:
+                    for pg, indices in reduction.stats.moe_groups:
                         scaled = squared[indices] / ds_dist.get_world_size(group=pg)
                         ds_dist.all_reduce(scaled, group=pg)
                         squared[indices] = scaled
                 from_partitions = combine_grad_norm_groups(list(squared.unbind()), norm_type=2)
                 norms.append((float(from_stats), float(from_partitions)))
-                reduction._window.forget()
-                partitions = [p.flat_partition for p in reduction.partitions]
+                reduction.window.step_stats.forget()
+                partitions = [p.flat_partition for p in reduction.window.partitions]
                 with PartitionReads(partitions) as recorder, count_collectives() as counter:
                     engine.step()
                 reads.append(recorder.ops)
@@ -745,7 +745,7 @@ def _stats_rank(rank, world_size, moe, clip):
                 global_norms.append(float(engine.optimizer._global_grad_norm))
         multi_rank = 0
         if kind == "flatgrad":
-            multi_rank = sum(len(r.buckets) for r in engine.optimizer._flatgrad.reducers if r.world_size > 1)
+            multi_rank = sum(len(r.buckets) for r in engine.optimizer.flatgrad.reducers if r.world_size > 1)
         out[kind] = {
             "norms": norms, "reads": reads, "params": params_of(engine), "step_calls": step_calls,
             "multi_rank_sub_groups": multi_rank, "global_norms": global_norms,
@@ -805,7 +805,7 @@ def _arena_rank(rank, world_size):
     stock = _engine("stock", cfg)
     stock_losses = train(stock, batches[:12])
     engine = _engine("flatgrad", cfg)
-    opt, reduction = engine.optimizer.optimizer, engine.optimizer._flatgrad
+    opt, reduction = engine.optimizer.optimizer, engine.optimizer.flatgrad
     parts = engine.optimizer.single_partition_of_fp32_groups
     tensors_per_call = []
     opt.register_step_pre_hook(lambda o, *_: tensors_per_call.append(sum(len(g["params"]) for g in o.param_groups)))
@@ -941,13 +941,13 @@ def _residual_checkpoint_rank(rank, world_size, root):
     train(engine, batches[:8])
     path = os.path.join(root, "feedback")
     engine.save_checkpoint(path, tag="t")
-    saved = [r.detach().clone() for red in engine.optimizer._flatgrad.reducers for r in red.state_dict()["residuals"]]
+    saved = [r.detach().clone() for red in engine.optimizer.flatgrad.reducers for r in red.state_dict()["residuals"]]
     continued = train(engine, batches[8:])
     out = {"continued": continued, "saved_nonzero": all(bool(r.abs().sum() > 0) for r in saved)}
     # Without the residuals the run goes another way: the comparison below can fail.
     cleared = _engine("flatgrad", cfg, seed=1)
     cleared.load_checkpoint(path, tag="t")
-    for red in cleared.optimizer._flatgrad.reducers:
+    for red in cleared.optimizer.flatgrad.reducers:
         for r in red.state_dict()["residuals"]:
             r.zero_()
     out["cleared"] = train(cleared, batches[8:])
@@ -967,7 +967,7 @@ def _residual_checkpoint_rank(rank, world_size, root):
         restart.load_checkpoint(plain_path, tag="t")
     out["warnings"] = [str(w.message) for w in caught if RESIDUALS_KEY in str(w.message)]
     out["restart_zero"] = all(
-        not bool(r.any()) for red in restart.optimizer._flatgrad.reducers for r in red.state_dict()["residuals"]
+        not bool(r.any()) for red in restart.optimizer.flatgrad.reducers for r in red.state_dict()["residuals"]
     )
     return out
 
@@ -1347,12 +1347,12 @@ def _patch_rank(rank, world_size):
         before = len(records)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         train(engine, batch)
-        routed[name] = (hasattr(engine.optimizer, "_flatgrad"), records[before:])
+        routed[name] = (hasattr(engine.optimizer, "flatgrad"), records[before:])
     torch.manual_seed(0)
     model = MLP()
     before = len(records)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, world_size=world_size, optimizer=False))
-    routed["zero3 without optimizer"] = (hasattr(engine.optimizer, "_flatgrad"), records[before:])
+    routed["zero3 without optimizer"] = (hasattr(engine.optimizer, "flatgrad"), records[before:])
     out["routed"] = routed
     fds.unpatch()
     out["restored"] = deepspeed.initialize is original and not fds.is_patched()
@@ -1480,7 +1480,7 @@ def _reduction_modes_rank(rank: int, world_size: int) -> dict:
         torch.manual_seed(0)
         engine, *_ = fds.initialize(model=MLP(), config=ds_config(2, flatgrad=flatgrad))
         # Every mode's unpack computes the stats: the step takes its norm and overflow from them.
-        assert engine.optimizer._flatgrad._stats_usable(), flatgrad
+        assert engine.optimizer.flatgrad.stats.usable(), flatgrad
         losses = train(engine, make_batches(rank, 4, 2, 13, 5))
         out[flatgrad.get("reduction", "reduce_scatter")] = (losses, params_of(engine))
     return out

@@ -3,7 +3,7 @@
 Every rank function trains stock and flatgrad from the same seed in the same
 process, so one launch compares both. Comparisons are bitwise: flatgrad keeps
 stock's arithmetic (see [Note: ZeRO-3 reduce path] in
-``flatgrad/integrations/deepspeed/zero3.py``).
+docs/design.md).
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def _state(engine, rank: int) -> dict:
 
 def _flatgrad_ran(engine) -> int:
     """The number of bucket plans flatgrad built (0 when flatgrad is not installed)."""
-    reducer = getattr(engine.optimizer, "flatgrad_zero3", None)
-    return len(reducer.compositions) if reducer is not None else 0
+    reduction = getattr(engine.optimizer, "flatgrad", None)
+    return len(reduction.compositions) if reduction is not None else 0
 
 
 def _train(engine, rank: int, dtype: str, batches, inf_at: int | None = None) -> dict:
@@ -351,7 +351,7 @@ def _norm_rank(rank: int, world_size: int, dtype: str, options: dict) -> dict:
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             if boundary and flat:
-                served.append(opt.flatgrad_zero3._stats_usable())
+                served.append(opt.flatgrad.stats.usable())
             with PartitionReads([opt.grad_partitions_flat_buffer]) as recorder, _counter() as counter:
                 engine.step()
             if boundary:

@@ -3,7 +3,7 @@
 Every rank function trains stock and flatgrad from the same seed in the same
 process. With torch's AdamW the comparison is bitwise, clipping included: the
 offload path keeps stock's cast, accumulation and per-parameter norms (see
-[Note: ZeRO-3 optimizer offload] in ``flatgrad/integrations/deepspeed/zero3.py``).
+[Note: ZeRO-3 optimizer offload] in docs/design.md).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _engine(rank: int, world_size: int, flat: bool, *, gas: int, clip: float = 0
         initialize = flatgrad_ds.initialize
     engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
     if flat and stage:
-        engine.optimizer.flatgrad_zero3.always_stage = True  # the accelerator's staged transfer, on the host
+        engine.optimizer.flatgrad.offload.always_stage = True  # the accelerator's staged transfer, on the host
     return engine
 
 
@@ -72,15 +72,16 @@ def _fp32_grads(engine) -> list[torch.Tensor]:
 def _train(engine, batches) -> dict:
     """Forward/backward/step per micro-batch: losses, the host fp32 gradients at every boundary, the counts."""
     losses, grads, transfers, copies = [], [], [], []
-    reducer = getattr(engine.optimizer, "flatgrad_zero3", None)
+    reduction = getattr(engine.optimizer, "flatgrad", None)
+    offload = reduction.offload if reduction is not None else None
     dtype = next(engine.module.parameters()).dtype
     for x, y in batches:
         loss = engine(x.to(dtype), y.to(dtype))
-        before = (reducer.host_transfers, reducer.fp32_copies) if reducer is not None else (0, 0)
+        before = (offload.host_transfers, offload.fp32_copies) if offload is not None else (0, 0)
         engine.backward(loss)
-        if reducer is not None:
-            transfers.append(reducer.host_transfers - before[0])
-            copies.append(reducer.fp32_copies - before[1])
+        if offload is not None:
+            transfers.append(offload.host_transfers - before[0])
+            copies.append(offload.fp32_copies - before[1])
         if engine.is_gradient_accumulation_boundary():
             grads.append(_fp32_grads(engine))
         engine.step()
@@ -96,12 +97,12 @@ def _trajectory(rank: int, world_size: int, flat: bool, gas: int, options: dict)
     out["optimizer"] = type(engine.optimizer.optimizer).__name__
     out["accum"] = str(engine.optimizer.grad_partitions_flat_buffer.dtype)
     if flat:
-        reducer = engine.optimizer.flatgrad_zero3
-        out["describe"] = reducer.describe()
+        reduction = engine.optimizer.flatgrad
+        out["describe"] = reduction.describe()
         # Buckets holding data on this rank: the most host transfers one backward may make.
-        out["buckets"] = sum(1 for c in reducer.compositions.values() if c.ds_ids)
-        out["staged"] = any(buffer is not None for buffer in reducer._staging)
-        plans = [c.bucket for c in reducer.compositions.values() if c.bucket.unpack_plan is not None]
+        out["buckets"] = sum(1 for c in reduction.compositions.values() if c.ds_ids)
+        out["staged"] = bool(reduction.offload.staging_buffers)
+        plans = [c.bucket for c in reduction.compositions.values() if c.bucket.unpack_plan is not None]
         out["kernels"] = sorted({(b.pack_plan.backend, b.unpack_plan.backend) for b in plans})
     engine.destroy()
     return out
@@ -404,15 +405,15 @@ def test_patch_engages_offload_and_passes_partial_offload_through() -> None:
 
 def _staging_fails_on_one_rank(rank: int, world_size: int) -> str:
     """Rank 1's pinned staging allocation fails (as when pinned host memory runs out): every rank must raise."""
-    from flatgrad.integrations.deepspeed import zero3
+    from flatgrad.integrations.deepspeed.zero3.offload import Zero3Offload
 
     # The CPU accelerator keeps the grads in host memory and stages nothing; these engines stage, as on a GPU.
-    zero3.Zero3Reducer.needs_staging = lambda self: True
+    Zero3Offload.needs_staging = lambda self: True
     if rank == 1:
         def refuse(self) -> None:
             raise RuntimeError("out of memory (pinned host allocation)")
 
-        zero3.Zero3Reducer.allocate_staging = refuse
+        Zero3Offload.allocate_staging = refuse
     try:
         _engine(rank, world_size, True, gas=1, **BASE, **_offload(True))
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
@@ -427,4 +428,6 @@ def test_staging_that_cannot_be_allocated_raises_on_every_rank() -> None:
     for rank, message in enumerate(messages):
         assert message.startswith("UnsupportedConfigError") and "staging buffers" in message, (rank, message)
         assert "zero_optimization.offload_optimizer" in message, message
-    assert "this rank (1)" in messages[1] and "out of memory" in messages[1] and "another rank" in messages[0]
+        # Every rank names the rank that failed, and why.
+        assert f"on rank 1 ('zero_optimization.offload_optimizer'; this is rank {rank})" in message, message
+        assert "RuntimeError: out of memory (pinned host allocation)" in message, message

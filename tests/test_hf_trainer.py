@@ -109,7 +109,7 @@ def _trainer_rank(rank: int, world_size: int, root: str, ds_config: dict) -> dic
         engine = trainer.model_wrapped
         out[kind] = {
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-            "flatgrad": any(getattr(engine.optimizer, name, None) is not None for name in ("_flatgrad", "flatgrad_zero3")),
+            "flatgrad": getattr(engine.optimizer, "flatgrad", None) is not None,
             "offload": any(bool(getattr(engine.optimizer, name, False)) for name in ("cpu_offload", "offload_optimizer")),
             "params": _full_params(engine),
         }

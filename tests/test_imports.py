@@ -1,7 +1,7 @@
 """The package's shape: no import cycle, no private name imported across packages, layers depend one way.
 
-Every ``import`` in ``flatgrad/`` counts, the ones inside functions too (a lazy import still ties two modules
-together), except those under ``if TYPE_CHECKING:``, which never run.
+Every ``import`` in ``flatgrad/`` counts: the ones inside functions (a lazy import still ties two modules together)
+and the ones under ``if TYPE_CHECKING:`` (a type named across a circle is a circle in the design, even if it never runs).
 """
 
 from __future__ import annotations
@@ -43,14 +43,7 @@ def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) ->
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
     tree = ast.parse(path.read_text())
-    typing_only = {
-        id(n) for block in ast.walk(tree)
-        if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-        for stmt in block.body for n in ast.walk(stmt)
-    }  # fmt: skip
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             out += [(a.name, []) for a in node.names if a.name.split(".")[0] == "flatgrad"]
         elif isinstance(node, ast.ImportFrom):
@@ -148,6 +141,12 @@ def test_layers_depend_one_way():
             if lm is not None and lt is not None and lt > lm:
                 upward.append(f"{m} (layer {_LAYERS[lm][0]}) imports {t} (layer {_LAYERS[lt][0]})")
     assert upward == [], "\n".join(sorted(upward))
+
+
+def test_the_checker_counts_imports_under_type_checking(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flatgrad.layout import Layout\n")
+    assert _imports("flatgrad.m", module, {"flatgrad.layout": module}) == [("flatgrad.layout", ["Layout"])]
 
 
 def test_the_checker_sees_a_cycle_and_a_private_import():

@@ -524,8 +524,9 @@ def test_plan_command_modes_table_json_and_png(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "world size 8" in text and "world size 16" in text and "qgz_int8" in text and "fastest:" in text
     rows = json.loads(out.read_text())["modes"]
-    assert {r["mode"] for r in rows} == set(__import__("flatgrad.planner.cost", fromlist=["MODES"]).MODES)
-    assert [r["world_size"] for r in rows].count(16) == 8
+    modes = __import__("flatgrad.planner.cost", fromlist=["MODES"]).MODES
+    assert {r["mode"] for r in rows} == set(modes)
+    assert [r["world_size"] for r in rows].count(16) == len(modes)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     argv = ["plan", "gpt", "--model-arg", "n_layer=2", "-w", "16", "--bucket", "20000", "--modes", "exact"]
     assert cli.main(argv) == 0

@@ -664,15 +664,15 @@ def _pool_rank(rank: int, world_size: int) -> list:
         for k, b in enumerate(reducer._buckets):
             home = pool[k % len(pool)]
             s = b.layout.shard_numel
-            if b.input.data_ptr() != home.data_ptr() or b.input.numel() != b.layout.numel > home.numel():
+            if b.views.input.data_ptr() != home.data_ptr() or b.views.input.numel() != b.layout.numel > home.numel():
                 failures.append((case, k, "input not in its pool buffer"))
-            if b.output.data_ptr() != home.data_ptr() + rank * s * 4 or b.output.numel() != s:
+            if b.views.received.data_ptr() != home.data_ptr() + rank * s * 4 or b.views.received.numel() != s:
                 failures.append((case, k, "output is not this rank's chunk of the input"))
             expected_previous = reducer._buckets[k - len(pool)] if k >= len(pool) else None
             if b.previous is not expected_previous:
                 failures.append((case, k, "previous occupant"))
         reducer.finish()  # a micro-step with nothing marked: everything launches, then the pool goes back
-        if reducer._pools is not None or any(b.input is not None or b.output is not None for b in reducer._buckets):
+        if reducer._pools is not None or any(b.views is not None for b in reducer._buckets):
             failures.append((case, "finish() kept the pool"))
     return failures
 
@@ -1053,7 +1053,7 @@ def _quantized_pool_rank(rank: int, world_size: int) -> list:
         if reducer.comm_buffer_bytes != 2 * 2 * seg:  # send and receive wires, 2 pool slots each
             failures.append((reduction, "comm_buffer_bytes", reducer.comm_buffer_bytes, 4 * seg))
         reducer._acquire_pools()
-        if any(b.input is not None for b in reducer._buckets):
+        if any(t.dtype != torch.uint8 for b in reducer._buckets for t in (b.views.input, b.views.received)):
             failures.append((reduction, "a comm-dtype buffer was allocated"))
         if any(key[0] not in ("wire_send", "wire_recv") for key in reducer._pools):
             failures.append((reduction, "pools", list(reducer._pools)))
@@ -1080,7 +1080,7 @@ def _one_rank_modes_rank(rank: int, world_size: int) -> dict:
             reducer.mark_ready(p)
         reducer.finish()
         b = reducer._buckets[0]
-        out[reduction] = (reducer.grad_shards()[0].shard.clone(), b.wire_send is None and b.residual is None)
+        out[reduction] = (reducer.grad_shards()[0].shard.clone(), type(b.mode).__name__ == "ReduceScatter" and b.residual is None)
     return out
 
 

@@ -188,7 +188,7 @@ def test_2d_reduce_scatter_matches_flat_and_is_no_less_accurate(world_size, node
 def _divided_rank(rank: int, world_size: int, node_size: int) -> list:
     """ZeRO-3's buckets (chunked layout, stock's divide): two-stage and flat, fp32 and bf16 comm."""
     from flatgrad import comm
-    from flatgrad.reducer import Bucket, DividedPack, ReduceScatter, TwoStageReduceScatter
+    from flatgrad.reducer import Bucket, ReduceScatter, TwoStageReduceScatter
 
     params = [nn.Parameter(torch.zeros(n)) for n in NUMELS]
     layout = Layout.chunked(list(NUMELS), world_size)
@@ -200,17 +200,17 @@ def _divided_rank(rank: int, world_size: int, node_size: int) -> list:
     grads = [torch.randint(-20, 21, (n,), generator=gen).float() * world_size for n in NUMELS]
     out = []
     for comm_dtype in (torch.float32, torch.bfloat16):
-        for mode in (DividedPack(twod), DividedPack(ReduceScatter())):
+        for mode in (twod, ReduceScatter()):
             b = Bucket(
                 0, tuple(params), layout, rank, comm_dtype=comm_dtype, averaging=comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0),
-                method="tensor", backend=None, mode=mode, prescale=1.0, postscale=1.0, streams=None,
+                method="tensor", backend=None, mode=mode, prescale=1.0, postscale=1.0, streams=None, divide=True,
             )  # fmt: skip
-            mode.bind(b, "input", torch.empty(layout.numel, dtype=comm_dtype), rank, world_size)
-            b.pack([g.to(torch.float32) for g in grads])
-            b.start(None, rank, None).wait()
-            b.shard = [torch.empty(p.length) for p in b.pieces]
-            b.unpack(rank, world_size, collect_stats=False)
-            out.append((str(comm_dtype), mode.name, [t.clone() for t in b.shard], [tuple(p) for p in b.pieces]))
+            buffers = {"input": torch.empty(layout.numel, dtype=comm_dtype)}
+            flight = b.reduce([g.to(torch.float32) for g in grads], None, None, buffers=buffers)
+            flight.wait()
+            shard = [torch.empty(p.length) for p in b.pieces]
+            flight.unpack(shard, False, False)
+            out.append((str(comm_dtype), mode.name, shard, [tuple(p) for p in b.pieces]))
     return [out, grads]
 
 
@@ -308,7 +308,7 @@ def _zero2_rank(rank: int, world_size: int, root: str) -> dict:
     for reduction in ("reduce_scatter", "2d_reduce_scatter", "hier_int8", "int8"):
         cfg = ds_config(2, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": "fp32"})
         engine, losses, continued, resumed = _train_save_resume(cfg, batches, os.path.join(root, reduction))
-        modes = {type(r.mode).__name__ for r in engine.optimizer._flatgrad.reducers}
+        modes = {type(r.mode).__name__ for r in engine.optimizer.flatgrad.reducers}
         out[reduction] = {
             "modes": modes, "losses": losses + continued, "params": params_of(engine),
             "resumed_losses": train(resumed, batches[8:]), "resumed_params": params_of(resumed),
@@ -359,11 +359,10 @@ def _zero3_rank(rank: int, world_size: int, root: str) -> dict:
     for name, (reduction, comm_dtype) in runs.items():
         cfg = ds_config(3, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": comm_dtype})
         engine, losses, continued, resumed = _train_save_resume(cfg, batches, os.path.join(root, name))
-        reducer = engine.optimizer.flatgrad_zero3
-        modes = {(type(c.bucket.mode).__name__, c.bucket.mode.name) for c in reducer.compositions.values()}
-        inner = {type(getattr(c.bucket.mode, "inner", c.bucket.mode)).__name__ for c in reducer.compositions.values()}
+        reducer = engine.optimizer.flatgrad
+        modes = {(type(c.bucket.mode).__name__, c.bucket.mode.name, c.bucket.divide) for c in reducer.compositions.values()}
         out[name] = {
-            "modes": modes, "inner": inner, "line": reducer.describe(), "losses": losses + continued,
+            "modes": modes, "line": reducer.describe(), "losses": losses + continued,
             "master": _zero3_state(engine, rank), "resumed_losses": train(resumed, batches[8:]),
             "resumed_master": _zero3_state(resumed, rank),
         }  # fmt: skip
@@ -379,15 +378,14 @@ def test_deepspeed_zero3_two_stage_on_two_nodes_of_two_matches_flat_and_checkpoi
     for rank, out in enumerate(launch(_zero3_rank, 4, str(tmp_path), timeout=380)):
         flat, twod = out["flat"], out["2d"]
         # fp32 grads, fp32 comm, 4 ranks: stock's divide folds into the pack (a power of two, no cast).
-        assert twod["modes"] == {("TwoStageReduceScatter", "2d_reduce_scatter")}, (rank, twod["modes"])
-        assert flat["modes"] == {("ReduceScatter", "reduce_scatter")}, rank
+        assert twod["modes"] == {("TwoStageReduceScatter", "2d_reduce_scatter", False)}, (rank, twod["modes"])
+        assert flat["modes"] == {("ReduceScatter", "reduce_scatter", False)}, rank
         assert "in the node of 2 rank(s), then one over the rail of 2 node(s)" in twod["line"], twod["line"]
         assert len(twod["losses"]) == len(flat["losses"]) == 16
         assert max(abs(a - b) for a, b in zip(twod["losses"], flat["losses"])) <= 1e-6, (rank, twod["losses"], flat["losses"])
         # A cast to bf16 before the sum: stock's divide of the packed buffer, kept around the two-stage mode.
-        assert out["2d_bf16"]["modes"] == {("DividedPack", "2d_reduce_scatter")}, rank
-        assert out["2d_bf16"]["inner"] == {"TwoStageReduceScatter"}, rank
-        assert out["flat_bf16"]["modes"] == {("DividedPack", "reduce_scatter")}, rank
+        assert out["2d_bf16"]["modes"] == {("TwoStageReduceScatter", "2d_reduce_scatter", True)}, rank
+        assert out["flat_bf16"]["modes"] == {("ReduceScatter", "reduce_scatter", True)}, rank
         # The bf16 runs are not compared by value (the sums round in two orders and Adam carries that on); the
         # divide they share is checked exactly by test_divided_pack_keeps_stocks_divide_around_the_two_stage_mode.
         for run in out.values():

@@ -322,7 +322,7 @@ def test_compiled_ops_have_fakes():
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused pack-quantize ([Note: pack-quantize] in wire_reference.py)
+# The fused pack-quantize ([Note: pack-quantize] in docs/design.md)
 
 
 def _pack_quantize_case(numels, dtypes, missing, world_size, kind_layout, align, seed):
@@ -499,7 +499,7 @@ def test_reference_nonfinite_blocks_dequantize_to_nan(kind):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused requantize ([Note: requantize] in wire_reference.py)
+# The fused requantize ([Note: requantize] in docs/design.md)
 
 
 def _bytes(n: int) -> torch.Tensor:
@@ -593,15 +593,13 @@ def test_requantize_refuses_overlapping_wires():
 
 def test_qgz_pool_holds_no_fp32_partial():
     """The qgZ mode's pool is the comm-dtype input and four wires; its residual stays numel + N * S fp32."""
-    from types import SimpleNamespace
-
     from flatgrad.reducer.modes import QuantizedTwoStage
     from flatgrad.reducer.topology import Topology
 
     topology = Topology(4, 2, 4, 0, 0, (0, 1, 2, 3), (0, 4), tuple(range(8)))
     mode = QuantizedTwoStage(topology, "qgz_int8", 64, True)
     layout = Layout.flat([1000], 8)
-    slots = mode.pool_slots([SimpleNamespace(layout=layout, comm_dtype=torch.bfloat16)], 8)
+    slots = mode.pool_slots([layout], torch.bfloat16)
     assert [(purpose, dtype) for purpose, _, dtype in slots] == [
         ("input", torch.bfloat16), ("wire_send", torch.uint8), ("wire_recv", torch.uint8), ("rail_send", torch.uint8),
         ("rail_recv", torch.uint8),

@@ -3,7 +3,7 @@
 ``flatgrad.testing.placement.SameDevice`` refuses a device mix as CUDA does, with ``cpu`` and ``meta``
 playing the host and the accelerator (data moves onto ``meta`` only, so each test gives ``cpu`` to the
 side whose values are read). See [Note: step placement] in
-``flatgrad/integrations/deepspeed/zero2/reduction.py``.
+docs/design.md.
 """
 
 from __future__ import annotations

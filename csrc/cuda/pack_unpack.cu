@@ -4,14 +4,14 @@
 // file only provides the CUDA kernels (TORCH_LIBRARY_IMPL(flatgrad, CUDA)).
 //
 // Work decomposition: one block per run of the run table (see
-// [Note: run tables] in flatgrad/layout.py), grid = R. The Python wrapper
+// [Note: run tables] in docs/design.md), grid = R. The Python wrapper
 // splits runs to at most _MAX_LEN["cuda"] elements, so blocks are of similar
 // size and a bucket of any shape is one launch. Correctness does not depend
 // on that bound: every loop strides over the run with int64 indices.
 //
 // The element loop itself (alignment choice, 16-byte vectors, scalar
 // fallback, arithmetic) lives in flatgrad/cuda_copy.cuh; see
-// [Note: CUDA arithmetic] there.
+// [Note: CUDA arithmetic] in docs/design.md.
 //
 // Streams: every launch and copy goes to the current stream of the tensors'
 // device, c10::cuda::getCurrentCUDAStream() (what at::cuda::getCurrentCUDAStream
@@ -199,7 +199,7 @@ TensorTable make_table(int64_t count, Address address, Code code, const at::Devi
   return TensorTable{keep_alive.data_ptr<int64_t>(), 0, -1};
 }
 
-// A plan's table, already on the device (see [Note: plans] in flatgrad/kernels/_plan.py).
+// A plan's table, already on the device (see [Note: plans] in docs/design.md).
 TensorTable device_table(const char* op, const at::Tensor& table, const at::Device& device) {
   TORCH_CHECK(table.device() == device, "flatgrad::", op, ": table is on ", table.device(), ", expected ", device);
   TORCH_CHECK(

@@ -2,7 +2,7 @@
 //
 // Arithmetic and byte layout are the reference's, bit for bit (see
 // [Note: wire format] and [Note: wire arithmetic contract] in
-// flatgrad/kernels/wire_reference.py): every fp32 operation is an explicit
+// docs/design.md): every fp32 operation is an explicit
 // round-to-nearest intrinsic (__fadd_rn, __fmul_rn, __fdiv_rn), which nvcc
 // never contracts into an FMA; the sums run over ranks 0..W-1 in order.
 // Kernels launch on the current stream, and nothing syncs the host.
@@ -146,7 +146,7 @@ __device__ __forceinline__ float load_code(int64_t address, int64_t code, int64_
   }
 }
 
-// The fused pack-quantize (see [Note: pack-quantize] in flatgrad/kernels/wire_reference.py):
+// The fused pack-quantize (see [Note: pack-quantize] in docs/design.md):
 // one CUDA block per (destination w, block j). The block's elements [p0, p1) of the
 // (virtual) packed buffer are gathered along the pack run table into shared memory, as
 // fp32 times scale (padding and missing tensors: 0); thread 0 finds the first run by
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kStats) stats.store(partials);
 }
 
-// The fused dequantize + fp32 sum + quantize (see [Note: requantize] in flatgrad/kernels/wire_reference.py):
+// The fused dequantize + fp32 sum + quantize (see [Note: requantize] in docs/design.md):
 // one CUDA block per output (segment n, block j), covering the elements [e0, e0 + n) of the (virtual) fp32
 // partial of segments * S elements. Each element is summed over the L sources in order, each with the scale of
 // its own input block (an output block may straddle two), into shared memory; the quantize then reads it, as

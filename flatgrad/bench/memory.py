@@ -127,9 +127,9 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
         "largest_bucket": _largest_bucket(engine, job),
         "comm_bytes": 2 if job["dtype"] == "bf16" else 4,
     }
-    reduction = getattr(engine.optimizer, "_flatgrad", None)
+    reduction = getattr(engine.optimizer, "flatgrad", None) if job["stage"] in (1, 2) else None
     out["metadata_bytes"] = 0
-    zero3 = getattr(engine.optimizer, "flatgrad_zero3", None)
+    zero3 = getattr(engine.optimizer, "flatgrad", None) if job["stage"] == 3 else None
     if zero3 is not None:
         out["metadata_bytes"] = zero3.metadata_bytes()  # plan tables and step statistics, KBs
     if reduction is not None:
@@ -156,9 +156,8 @@ def _host_bytes(optimizer: Any) -> int:
     flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
     if torch.is_tensor(flat) and flat.device.type == "cpu":
         tensors.append(flat)
-    zero3 = getattr(optimizer, "flatgrad_zero3", None)
-    if zero3 is not None:
-        tensors += zero3.staging_buffers
+    offload = getattr(getattr(optimizer, "flatgrad", None), "offload", None)  # ZeRO-3's staging buffers
+    tensors += list(getattr(offload, "staging_buffers", None) or [])
     for state in optimizer.optimizer.state.values():
         tensors += [v for v in state.values() if torch.is_tensor(v)]
     tensors += list(getattr(optimizer, "accumulated_grads_in_cpu", {}).values())
@@ -174,7 +173,7 @@ def _host_bytes(optimizer: Any) -> int:
 
 def _largest_bucket(engine: Any, job: dict) -> int:
     """The largest ZeRO-1/2 sub-group (flatgrad) or ``reduce_bucket_size``, in elements."""
-    reduction = getattr(engine.optimizer, "_flatgrad", None)
+    reduction = getattr(engine.optimizer, "flatgrad", None) if job["stage"] in (1, 2) else None
     if reduction is not None:
         return max(layout.numel for layout in reduction.layouts)
     return job["bucket"]

@@ -150,7 +150,7 @@ def _rank(
             losses.append(float(loss.detach()))
             if step % eval_every == 0 or step == len(batches):
                 evals[step] = _eval_loss(engine.module, held_out)
-        reducers = engine.optimizer._flatgrad.reducers
+        reducers = engine.optimizer.flatgrad.reducers
         out[name] = {
             "losses": losses,
             "evals": evals,

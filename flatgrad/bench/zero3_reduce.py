@@ -225,7 +225,7 @@ def _run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         cfg = dict(config, flatgrad={"backend": args.backend} if args.backend else {}) if name == "flatgrad" else config
         engines[name] = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
         if name == "flatgrad" and args.stage:
-            engines[name].optimizer.flatgrad_zero3.always_stage = True
+            engines[name].optimizer.flatgrad.offload.always_stage = True
         probes[name] = _Probe()
         _instrument(engines[name], probes[name])
     params = sum(p.ds_numel for p in engines["stock"].module.parameters())
@@ -300,7 +300,7 @@ def _backend_name(engine) -> str:
 
     from flatgrad.kernels import resolve_backend
 
-    reducer = engine.optimizer.flatgrad_zero3
+    reducer = engine.optimizer.flatgrad
     return resolve_backend(reducer.config.backend, torch.device("cpu")).name
 
 

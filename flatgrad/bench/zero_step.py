@@ -233,7 +233,7 @@ _STOCK_HOST_COPIES = ("async_inplace_copy_grad_to_fp32_buffer_from_gpu", "async_
 
 def _host_copy_counter(optimizer: Any):
     """A function returning the host copies made so far: flatgrad's deliveries, or stock's per-parameter copies."""
-    reduction = getattr(optimizer, "_flatgrad", None)
+    reduction = getattr(optimizer, "flatgrad", None)
     if reduction is not None:
         return lambda: sum(r.target_copies for r in reduction.reducers)
     count = [0]

@@ -155,15 +155,11 @@ def two_stage(device: torch.device, cycles: int = SLEEP_CYCLES) -> list[dict[str
                         mode=mode, prescale=1.0, postscale=1.0, streams=None)  # fmt: skip
         stand_in = StandInCollectives([2 * cycles, cycles])  # the node stage finishes last if nothing waits
         buffer = torch.full((layout.numel,), float("nan"), device=device)
-        mode.bind(bucket, "input", buffer, rank, 4)
-        bucket.pack(grads)
-        work = bucket.start(group, rank, stand_in.collectives())
-        if work is not None:
-            work.wait()
-        bucket.shard = torch.full((s,), -1.0, device=device)
-        bucket.accumulate = False
-        bucket.unpack(rank, 4, False)
-        got = bucket.shard.cpu()
+        flight = bucket.reduce(grads, group, stand_in.collectives(), buffers={"input": buffer})
+        flight.wait()
+        shard = torch.full((s,), -1.0, device=device)
+        flight.unpack(shard, False, False)
+        got = shard.cpu()
         ok = stand_in.calls == 2 and torch.equal(got, expected)
         detail = "" if ok else (f"{stand_in.calls} collective calls; shard differs from the sum of the 4 "
                                 f"segments at {int((got != expected).sum())} of {s} elements")  # fmt: skip

@@ -13,8 +13,8 @@ same batches, 3 steps of ``gradient_accumulation_steps: 2``, torch's AdamW on th
   (``"cpu"`` on ``--device cpu``): on a GPU the unpack of the segment staged on the host must pick a
   backend that runs there by itself.
 
-Each config passes when flatgrad took over (the engine's optimizer carries ``_flatgrad`` under ZeRO-1/2,
-``flatgrad_zero3`` under ZeRO-3) and every micro-step's loss matches stock's within ``1e-6``
+Each config passes when flatgrad took over (the engine's optimizer carries ``flatgrad`` under every ZeRO
+stage) and every micro-step's loss matches stock's within ``1e-6``
 relative (fp32) or ``1e-2`` (bf16). Reported per config and engine: the losses and, on CUDA, the peak
 ``torch.cuda.max_memory_allocated``; an exception is a failed config, and the next one runs. Results
 arrive config by config, so a run cut short keeps the configs it finished. Writes ``--out`` JSON and
@@ -95,10 +95,8 @@ def _ds_config(config: dict, flat: bool, options: dict) -> dict:
 
 
 def _took_over(engine: Any, stage: int) -> bool:
-    if stage == 3:
-        return getattr(engine.optimizer, "flatgrad_zero3", None) is not None
-    reduction = getattr(engine.optimizer, "_flatgrad", None)
-    return reduction is not None and bool(getattr(reduction, "offload", False))
+    reduction = getattr(engine.optimizer, "flatgrad", None)
+    return reduction is not None and (stage == 3 or bool(reduction.offload))
 
 
 def _train(config: dict, flat: bool, options: dict) -> dict:

@@ -1,34 +1,8 @@
 """The demo's figures from every rank's measurements: a summary per setup, the text table, JSON and a PNG chart.
 
-[Note: demo figures]
-* ``reductions``: gradient reductions (``reduce``, ``all_reduce``,
-  ``reduce_scatter``, and ``grad_all_to_all``: the all_to_all of flatgrad's
-  reduction modes) issued during ``engine.backward``, per backward on one
-  rank; ``reductions_multi_rank`` counts those on a group of more than one rank.
-  Every rank and step must agree (they do: the calls are collective), else the
-  summary raises.
-* ``step_collectives``: every collective the optimizer step issues (norms,
-  overflow checks, the parameter all_gather), per step (the most of any rank and step).
-* ``sent_mb_per_rank``: MB (1e6 bytes) a rank sends for one backward's
-  gradient reductions, by ``flatgrad.testing.collectives.sent_bytes``; mean over ranks (a reduce's
-  root sends nothing).
-* Times: per step the slowest rank (a step ends when the last rank is done),
-  then median and min over the timed steps, which leave out the first (it
-  allocates buffers and builds flatgrad's plans) when there is more than one.
-  ``backward_ms`` is ``engine.backward``: autograd, DeepSpeed's hooks, the
-  reduction and its epilogue; ``step_ms`` is forward + backward + optimizer step.
-* ``peak_mb_per_rank``: the most tensor memory (MB, 1e6 bytes) a rank's setup
-  held at once, built alone and trained two steps (see [Note: demo memory] in
-  ``train.py``); the most of any rank. ``held_mb_per_rank``: what it held
-  after those two steps.
-* ``max_loss_diff``: the largest ``|loss - reference loss|`` over ranks and
-  steps, the reference being the stock row of the same stage.
-* ``stock_spread``: stock's own ``max_loss_diff`` between its two ZeRO-2
-  methods (all_reduce and reduce mode). gloo chooses its summation order per
-  machine, so two stock runs differ by 0 on one machine and by an fp32
-  rounding on another; a flatgrad ZeRO-1/2 row is judged against that spread
-  (``within_stock_spread``), which holds on any machine where a bitwise
-  comparison does not.
+The figures are per setup, the slowest rank's per step, and flatgrad ZeRO-1/2
+rows are judged against stock's own spread, which holds on any machine where a
+bitwise comparison does not. See [Note: demo figures] in docs/design.md.
 """
 
 from __future__ import annotations

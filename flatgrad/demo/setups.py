@@ -9,7 +9,7 @@ offload against flatgrad's. Models come from ``flatgrad.planner.models``,
 reduce_scatter; ``int8`` with error feedback). The ``2d_reduce_scatter`` and
 ``hier_int8`` rows split the ranks into two nodes (``nodes``; simulated: the
 ranks share one machine, the node and rail process groups are real; see
-[Note: two-stage reductions] in ``flatgrad/reducer/topology.py``). Models come from ``flatgrad.planner.models``,
+[Note: two-stage reductions] in docs/design.md). Models come from ``flatgrad.planner.models``,
 the definitions ``flatgrad plan`` schedules:
 
 * ZeRO-2: ``seed-moe``, the seed thread's model (docs/design.md "The seed model"):
@@ -44,7 +44,7 @@ class Setup:
         multi_rank_allreduce: stock ZeRO-2's ``use_multi_rank_bucket_allreduce`` (None: not ZeRO-2 stock).
         reference: the key of the setup whose losses this one is compared with.
         options: the ``"flatgrad"`` config section of a flatgrad setup, as ``(key, value)`` pairs
-            (the reduction mode; see [Note: reduction modes] in ``flatgrad/reducer/modes.py``).
+            (the reduction mode; see [Note: reduction modes] in docs/design.md).
         offload: ``offload_optimizer: {device: cpu, pin_memory: true}`` (ZeRO-Offload).
         nodes: a two-stage setup's number of (simulated) nodes: ``node_size`` is the world size over it,
             and the ranks are told so as a launcher on such nodes would (None: one node).

@@ -12,13 +12,9 @@ autograd + DeepSpeed's hooks + the gradient reduction + its epilogue, the
 optimizer step, and the whole step), the loss, every collective call (see
 ``flatgrad.testing.collectives``), and memory. Rank 0 reports progress to the parent with ``send_message``.
 
-[Note: demo memory]
-The engines of a stage are alive together while they are timed, so one
-process-wide peak would mix them (and ZeRO-3 engines free each other's
-gathered parameters). So after a stage's timed steps, every setup of that
-stage is built once more alone, under a ``MemoryCensus`` started before the
-model is built, and trains two steps: its peak and what it holds after them
-are the memory figures. Nothing is timed then.
+The engines of a stage are alive together while timed, so memory is measured
+afterwards, each setup built alone under a census. See [Note: demo memory] in
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -184,12 +180,12 @@ def _describe(setup: Setup, engine: Any, model_name: str) -> dict:
     }
     if setup.stage == 2:
         info["param_groups"] = len(opt.bit16_groups)
-        reduction = getattr(opt, "_flatgrad", None)
+        reduction = getattr(opt, "flatgrad", None)
         if reduction is not None:
             info["sub_groups"] = len(opt.bit16_groups)
             info["sub_groups_multi_rank"] = sum(len(r.buckets) for r in reduction.reducers if r.world_size > 1)
     elif setup.flatgrad:
-        info["bucket_plans"] = len(opt.flatgrad_zero3.compositions)
+        info["bucket_plans"] = len(opt.flatgrad.compositions)
     return info
 
 

@@ -8,7 +8,7 @@ Backends:
 
 The wrappers here validate arguments once, resolve the backend and dispatch
 through a plan (``PackPlan`` / ``UnpackPlan``, see [Note: plans] in
-``_plan.py``); the backends assume valid input.
+docs/design.md); the backends assume valid input.
 """
 
 from __future__ import annotations
@@ -45,12 +45,8 @@ class UnpackStats(NamedTuple):
     nonfinite: torch.Tensor
 
 
-# [Note: plan cache] The public pack and unpack keep the plans of their most
-# recent layouts (keyed by layout, rank, backend and FLATGRAD_BACKEND), so a
-# repeated call pays one C check of the tensors (see [Note: plans]) instead of
-# Python checks per tensor. A call the cached plan refuses (new shapes, dtypes,
-# devices, or a bad argument) takes the full checks, which raise the error or
-# replace the plan.
+# The public pack and unpack keep the plans of their recent layouts, so a repeated
+# call pays one C check of the tensors. See [Note: plan cache] in docs/design.md.
 _PLAN_CACHE_SIZE = 32
 _pack_plans: collections.OrderedDict[tuple, PackPlan] = collections.OrderedDict()
 _unpack_plans: collections.OrderedDict[tuple, UnpackPlan] = collections.OrderedDict()

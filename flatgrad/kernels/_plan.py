@@ -1,52 +1,12 @@
 """Plans: ``pack`` and ``unpack`` for one layout, validated once and called every step.
 
-[Note: plans]
-A plan checks its layout, backend, device and example tensors once, and keeps
-what a call needs: the layout's run table on the device, and a *tensor table*
-of int64 ``(address, dtype code)`` rows, one per tensor (see ``table_col`` in
-``csrc/include/flatgrad/runs.h``; address 0 is a missing tensor, which pack
-writes as zeros). A call then costs one C loop over the tensors and one op:
+A plan validates once and keeps the run table and a tensor table of
+``(address, dtype code)`` rows on the device, so that a call costs one C check
+of the tensors and one op, and uploads only when an address changed. See
+[Note: plans] in docs/design.md.
 
-* ``_C.refresh_table`` (``csrc/python.cpp``) walks the Python list once in C:
-  every tensor must still have its numel, dtype (when the plan knows it),
-  device and contiguity, must not overlap the output, and its data pointer is
-  written into the host copy of the table. A mismatch raises ``ValueError``
-  naming the tensor's index. The same list or a new one (gradients are new
-  tensors every step) costs the same.
-* When no row changed, nothing is uploaded. When one did, the table is copied
-  to the device (CUDA: one asynchronous copy from pinned memory on the current
-  stream), and ``uploads`` counts it. On CPU the host table is the table.
-* The compiled backends then run ``flatgrad::_pack_table`` /
-  ``flatgrad::_unpack_table``, which take the table instead of a tensor list;
-  ``triton`` and ``torch`` get the list itself.
-
-Because a call with unchanged data pointers uploads nothing, such a call can be
-captured in a CUDA graph; one that would upload during capture raises.
-
-A plan keeps no reference to the tensors it is called with, only their
-addresses, which every call refreshes before the kernel reads them. A plan's
-CUDA calls run on the current stream, whichever it is; see [Note: table streams].
-
-[Note: table streams]
-A plan (and the cached plans behind the public ``pack`` and ``unpack``) can be
-called from any stream, so its device table is ordered with CUDA events, per
-stream, on every use and not only when an upload happens:
-
-* the table's last write (the construction's ``torch.zeros``, then each
-  upload) records ``written`` on its stream. A kernel on another stream first
-  waits for it, once per stream and write (``_ordered`` remembers which streams
-  already did): otherwise it could read a table still being copied, or all zeros
-  (an unpack through address 0 faults).
-* each kernel reading the table records its stream's ``reads`` event. An
-  upload first waits for every other stream's: a kernel queued there may still
-  read the rows the copy rewrites. The upload also waits for ``written`` (the
-  first one for the construction stream's zeros).
-
-Same-stream work is ordered by the stream itself, so a plan called from one
-stream costs one event record per call and no wait. During CUDA graph capture
-nothing is recorded or waited on (an event from outside the capture cannot be
-waited on inside it): a captured call uploads nothing, and the graph's replay
-is ordered by the stream it is replayed on.
+Its device table is ordered across streams with per-stream CUDA events, since
+any stream may call it. See [Note: table streams] in docs/design.md.
 """
 
 from __future__ import annotations

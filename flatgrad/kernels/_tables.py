@@ -1,6 +1,6 @@
 """Device copies of a layout's run tables, made once and reused by every call.
 
-See [Note: run tables] in ``flatgrad/layout.py``. A table is uploaded to a
+See [Note: run tables] in docs/design.md. A table is uploaded to a
 device the first time a backend asks for it there; after that a lookup is a
 dict access, with no host sync and no upload on the hot path.
 """

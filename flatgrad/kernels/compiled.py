@@ -9,7 +9,7 @@ with a CPU implementation there and a CUDA one in ``csrc/cuda/``:
   bool accumulate, bool stats) -> Tensor`` (``[sum_sq, nonfinite_count]`` fp32 when
   ``stats``, else an empty tensor)
 * ``flatgrad::_pack_table`` / ``flatgrad::_unpack_table``: the same with the
-  tensors given as a plan's tensor table (see [Note: plans] in ``_plan.py``).
+  tensors given as a plan's tensor table (see [Note: plans] in docs/design.md).
 
 ``runs`` is a layout's run table on the op's device (see [Note: run tables]).
 """

@@ -4,18 +4,9 @@ Every other backend must produce the same bits as this one wherever the
 arithmetic is the same. It walks ``Layout.pieces`` rank by rank and uses only
 slicing, ``to`` and ``add_``, so it can be trusted by reading.
 
-[Note: arithmetic contract]
-* Casting is torch's: round-to-nearest-even through fp32.
-* With ``scale == 1`` a value is cast directly, without a multiply.
-* Otherwise a value is cast to fp32, multiplied by ``float32(scale)`` and cast
-  to the destination dtype.
-* Accumulation computes ``float32(out) + float32(value)`` (value scaled as
-  above, never fused into an FMA) and casts the sum to ``out``'s dtype once.
-* NaN stays NaN, but its payload bits are not part of the contract: torch's
-  own vectorised and scalar casts already disagree on them.
-* Stats are the fp32 sum of squares and the count of non-finite elements of
-  the values as written to ``out``; the sum's order is backend-specific, so it
-  matches the reference to rounding, not bitwise.
+Casts are torch's, a scale is one fp32 multiply, and accumulation rounds
+once, so that every backend can match this one bitwise. See
+[Note: arithmetic contract] in docs/design.md.
 """
 
 from __future__ import annotations

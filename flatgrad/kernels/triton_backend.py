@@ -11,32 +11,13 @@ Three layers per op, as in Liger-Kernel:
 It runs on CUDA tensors, or on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` when this module is imported).
 
-[Note: triton pointer tables]
-The tensors of one call (pack's inputs, unpack's outputs) are reached through
-an int64 table of their ``data_ptr()`` values, which a kernel loads and casts
-with ``.to(tl.pointer_type(...))``. Pack's inputs may mix dtypes, so a second,
-int32 table holds a dtype code per input (see ``_CODES``); when all inputs
-share one dtype the code is a compile-time constant instead. Both tables travel
-in one buffer, made once per distinct tuple of ``(data_ptr, dtype)`` and kept
-in a small LRU, so steady-state calls on the same gradient storage upload
-nothing; a miss costs one asynchronous host-to-device copy from pinned memory.
-Padding runs (``tensor_index == -1``, ``valid == 0``) load neither table entry
-nor data: every such load is masked off. A missing tensor (``None``) has
-address 0 in the table, and its runs load no data either: they are written as
-zeros, as padding is.
+Kernels reach a call's tensors through a table of their ``data_ptr()``
+values (and dtype codes), kept in a small LRU so that steady-state calls upload
+nothing. See [Note: triton pointer tables] in docs/design.md.
 
-[Note: triton casts]
-The arithmetic is the reference's (see [Note: arithmetic contract] in
-``reference.py``): every value goes through fp32, is multiplied by
-``float32(scale)`` only when ``scale != 1`` and is rounded once to the
-destination dtype; accumulation adds in fp32. Kernels are launched with
-``enable_fp_fusion=False`` so that no multiply-add becomes an FMA.
-bf16 <-> fp32 conversions are written as integer bit operations: fp32 -> bf16
-rounds to nearest even (NaN becomes the quiet NaN 0x7FC0, as in c10), and
-bf16 -> fp32 is a 16-bit shift. On sm_90 that is bitwise what ``cvt.rn.bf16``
-gives (NaN payloads aside) at a few integer ops per element in a memory-bound
-kernel; and it is the only form Triton's interpreter gets right: the
-interpreter truncates fp32 -> bf16 and mis-converts bf16 subnormals.
+bf16 <-> fp32 conversions are integer bit operations, with FMA fusion off, so
+that compiled and interpreted kernels give the reference's bits. See
+[Note: triton casts] in docs/design.md.
 """
 
 from __future__ import annotations
@@ -195,7 +176,8 @@ class _Config(NamedTuple):
     num_warps: int
 
 
-# Not tuned: common choices for a memory-bound copy (16 elements per thread on CUDA).
+# Not tuned on a GPU: common choices for a memory-bound copy (16 elements per thread
+# on CUDA).
 # Under the interpreter a smaller block splits runs more often, which the tests rely on
 # to cover run boundaries, at a cost the interpreter's per-program overhead keeps small.
 _CONFIGS = {"cuda": _Config(block=4096, num_warps=8), "cpu": _Config(block=1024, num_warps=1)}

@@ -3,7 +3,7 @@
 Public wrappers validate their arguments once, then dispatch to a backend:
 
 * ``torch``: ``wire_reference`` (the oracle; see [Note: wire format] and
-  [Note: wire arithmetic contract] there);
+  [Note: wire arithmetic contract] in docs/design.md);
 * ``cpu`` / ``cuda``: the compiled ops ``torch.ops.flatgrad.wire_*``
   (``csrc/wire.cpp``, ``csrc/cuda/wire.cu``);
 * ``triton``: ``wire_triton``.
@@ -11,13 +11,13 @@ Public wrappers validate their arguments once, then dispatch to a backend:
 ``PackQuantizePlan`` (and ``pack_quantize``, which makes one per call) is the
 int8/fp8 modes' fused pack side: the per-parameter gradients straight into the
 quantized wire, with no packed buffer (see [Note: pack-quantize] in
-``wire_reference.py``). It is a plan as ``PackPlan`` is (see [Note: plans] in
-``_plan.py``): same checks, same tensor table, same cached run table.
+docs/design.md). It is a plan as ``PackPlan`` is (see [Note: plans] in
+docs/design.md): same checks, same tensor table, same cached run table.
 
 ``requantize`` is ``dequantize_sum`` and ``quantize`` fused, the step between the
 two quantized stages of ``qgz_int8`` / ``qgz_fp8``: received wire segments in, a
 wire of their fp32 sum out, with no fp32 partial buffer (see [Note: requantize]
-in ``wire_reference.py``).
+in docs/design.md).
 
 ``WireKernels`` (from ``wire_kernels(name)``) skips the checks; the reducer
 validates its buffers once at construction and calls it on the hot path.
@@ -354,10 +354,10 @@ class PackQuantizePlan(_Plan):
     ``plan(tensors, wire, residual, scale=...)`` writes what ``pack(tensors, layout,
     dtype=torch.float32, scale=scale)`` followed by ``quantize(packed, layout.world_size,
     block, kind, wire, residual)`` would (see [Note: pack-quantize] in
-    ``wire_reference.py``), with no packed buffer. ``tensors`` are as a
+    docs/design.md), with no packed buffer. ``tensors`` are as a
     ``PackPlan``'s: the example's numels, dtypes and device, ``None`` packs as
     zeros, and a slot ``None`` in the example takes any supported dtype. See
-    [Note: plans] in ``_plan.py``.
+    [Note: plans] in docs/design.md.
 
     Attributes:
         layout: the layout (its ``world_size`` is the wire's number of segments).
@@ -435,7 +435,7 @@ def pack_quantize(
 ) -> None:  # fmt: skip
     """``quantize(pack(tensors, layout, dtype=float32, scale=scale), ...)`` in one pass, without the packed buffer.
 
-    See [Note: pack-quantize] in ``wire_reference.py``. ``wire`` is ``uint8`` of
+    See [Note: pack-quantize] in docs/design.md. ``wire`` is ``uint8`` of
     ``layout.world_size * segment_bytes(layout.shard_numel, block)`` bytes on the
     tensors' device; ``residual`` (error feedback) is fp32 of ``layout.numel``.
     Checks everything and makes a ``PackQuantizePlan`` every call: a caller that

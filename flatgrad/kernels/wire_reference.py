@@ -17,80 +17,16 @@ rank. Five operations:
   stages of ``qgz_int8`` / ``qgz_fp8``: received wire segments in, a wire of
   their fp32 sum out (see [Note: requantize]).
 
-[Note: wire format]
-A quantized wire buffer is ``uint8``, ``W`` segments of ``segment_bytes(S, block)``
-bytes, one per destination rank (gloo refuses float8 tensors, so bytes travel as
-bytes). Segment layout, offsets in bytes:
+A quantized wire is bytes (gloo refuses float8 tensors): per destination the
+values, then the fp32 block scales from a 16-byte boundary. See
+[Note: wire format] in docs/design.md.
 
-* ``[0, S)``: the ``S`` quantized values (int8, or float8 e4m3fn bits);
-* ``[round16(S), round16(S) + 4 * nblocks)``: ``nblocks = ceil(S / block)`` fp32
-  scales, native byte order, block ``j`` covering elements ``[j * block, (j + 1) * block)``
-  of the segment (the last block may be short);
-* the rest (at most 15 + 15 bytes) is padding and never read.
+``pack_quantize`` and ``requantize`` write exactly what their unfused
+compositions write, without the intermediate buffer. See [Note: pack-quantize]
+and [Note: requantize] in docs/design.md.
 
-``segment_bytes(S, block) = round16(S) + round16(4 * nblocks)``. Against a bf16 wire
-(``2 * S`` bytes) that is ``0.5 + 2 / block`` of it for large ``S`` (0.508 at block 256).
-
-[Note: pack-quantize]
-``pack_quantize(tensors, layout, scale, block, kind, wire, residual)`` writes
-exactly what ``pack(tensors, layout, dtype=float32, scale=scale)`` followed by
-``quantize(packed, layout.world_size, block, kind, wire, residual)`` writes,
-without the packed buffer: per element ``x = float32(grad)``, times
-``float32(scale)`` in one fp32 multiply when ``scale != 1`` (the regular pack's
-rule, [Note: arithmetic contract] in ``reference.py``); padding and a missing
-tensor (``None``) are ``x = 0``; then the block quantize below (with the
-residual added to every element, padding included). It reads the gradients
-through the layout's pack run table, as the regular pack does.
-
-A pack into a comm-dtype (e.g. bf16) buffer followed by a quantize of that
-buffer would round every value twice, to the comm dtype and then to the wire.
-The fused path quantizes the fp32 values, one rounding fewer (more accurate,
-intended), and so on purpose not bitwise what a bf16 pack + quantize gives;
-nor does it need the comm-dtype buffer.
-
-[Note: requantize]
-``requantize(wire_in, sources, block, kind, wire_out, segments, shard_numel, residual)``
-reads ``L = sources`` wire segments of ``N * S`` elements each (``N = segments``,
-``S = shard_numel``) and writes ``N`` wire segments of ``S`` elements: exactly what
-``dequantize_sum(wire_in, L, block, kind, partial, 1.0, False)`` into an fp32
-``partial`` of ``N * S`` elements followed by ``quantize(partial, N, block, kind,
-wire_out, residual)`` writes, with no partial buffer. Per element ``e`` of the
-partial: ``x = v_0 + v_1 + ... + v_{L-1}`` in source order, ``v_l = float32(q_l[e]) *
-scale_l[e // block]`` (each element's scale is its own input block's); then ``x +
-residual[e]`` with error feedback, and the quantize of the output block holding it
-(segment ``e // S``, block ``(e % S) // block``), the residual becoming ``x -
-float32(q) * scale``. Input and output blocks are aligned only when ``block``
-divides ``S`` (or ``N = 1``): in general an output block straddles two input
-blocks. The residual (``N * S`` fp32) is in the partial's order, as ``quantize``'s.
-
-[Note: wire arithmetic contract]
-All arithmetic is fp32, round-to-nearest-even, no fused multiply-add.
-
-* Quantize, per block of a segment: ``x = float32(packed)`` (``+ residual``, one fp32
-  add, with error feedback); ``absmax = max |x|``; ``scale = absmax / Q`` (one fp32
-  division; ``Q = 127`` for int8, ``448`` for fp8 e4m3fn). If ``scale == 0`` the
-  block is all zeros. Otherwise ``y = x / scale`` (fp32 division, not a reciprocal
-  multiply), then int8: ``clamp(round_half_even(y), -127, 127)``; fp8:
-  ``float8_e4m3fn(clamp(y, -448, 448))`` (saturating, torch's RNE cast); see
-  ``quantize_codes``. With error feedback the residual becomes ``x - float32(q) * scale``.
-* Non-finite input: a block holding NaN has a NaN scale, one holding inf (and no
-  NaN) an inf scale; then every ``y`` is ``±0`` or NaN, and a NaN ``y`` is the code
-  int8 ``0`` / fp8 ``0x7F`` on every backend (``fmaxf``, ``std::max`` and
-  ``tl.maximum`` would clamp it to the lowest code instead). Such a block
-  dequantizes to NaN in every element (``0 * inf``, ``q * NaN``).
-  The sign and payload of a NaN in fp32 (a scale, a residual, an output)
-  are not part of the contract; the codes are.
-* Dequantize: ``v_w = float32(q_w) * scale_w`` (one fp32 multiply).
-* Sum (both unpacks): ``acc = v_0``, then ``acc = acc + v_w`` for ``w = 1 .. W-1``,
-  in that order (``v_w = float32(source_w)`` for ``exact``). Then ``acc = acc * post``
-  if ``post != 1``; ``out = cast(acc)``, or with ``accumulate``
-  ``out = cast(float32(out) + acc)``.
-* Stats (both unpacks, optional): fp32 ``[sum_sq, nonfinite_count]`` of the values
-  as written to ``out`` (after the cast, and after the accumulate), as the regular
-  unpack's (see [Note: arithmetic contract] in ``reference.py``). The order of the
-  sum of squares is backend-specific but fixed for a given shape (no atomics, no
-  dependence on the thread count), so it matches this reference to fp32 rounding,
-  not bitwise; the count is exact.
+All arithmetic is fp32 in a fixed order, with no FMA, so that every backend
+matches this one bitwise. See [Note: wire arithmetic contract] in docs/design.md.
 """
 
 from __future__ import annotations

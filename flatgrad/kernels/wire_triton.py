@@ -1,7 +1,7 @@
 """The wire kernels (see ``wire.py``) in Triton: CUDA tensors, or CPU tensors under the interpreter.
 
 Arithmetic is the reference's ([Note: wire arithmetic contract] in
-``wire_reference.py``), launched with ``enable_fp_fusion=False`` so that no
+docs/design.md), launched with ``enable_fp_fusion=False`` so that no
 multiply-add becomes an FMA. Three choices keep it bitwise on the interpreter
 and on sm_90 alike, where Triton's own conversions differ between them:
 
@@ -15,11 +15,11 @@ and on sm_90 alike, where Triton's own conversions differ between them:
 Every launch enters the tensors' device first (``triton_backend._on_device``):
 Triton launches on the current CUDA device, whatever the tensors'.
 
-``_pack_quantize_kernel`` (see [Note: pack-quantize] in ``wire_reference.py``)
+``_pack_quantize_kernel`` (see [Note: pack-quantize] in docs/design.md)
 reads the gradients through the pack run table and ``triton_backend``'s pointer
 tables (see [Note: triton pointer tables]) and shares the quantize itself
 (``_quantize_store``) with ``_quantize_kernel``, as does ``_requantize_kernel`` (see
-[Note: requantize] there), which sums the received segments' dequantized values
+[Note: requantize] in docs/design.md), which sums the received segments' dequantized values
 (``_dequantize_code``, as ``_dequantize_sum_kernel``) into the block it quantizes.
 
 With stats, each program stores the fp32 sum of squares and the non-finite count

@@ -1,93 +1,11 @@
 """An alpha-beta time model of one collective call on NVLink and InfiniBand, with nccl-tests conventions.
 
-[Note: cost model]
-A call over a group of ``p`` ranks on ``n`` nodes takes
+Each call is priced alone from NCCL's own ring latencies and nccl-tests'
+bus-bandwidth factors, and the calls of a backward are added in series; the
+link parameters are ``CostModel``'s fields. See [Note: cost model] in docs/design.md.
 
-    t = alpha + (steps - inter_steps) * hop_intra + inter_steps * hop_inter + bus_bytes / busbw
-
-* ``bus_bytes = nbytes * factor``, the factor being nccl-tests' bus-bandwidth
-  factor (``PERFORMANCE.md`` in NVIDIA/nccl-tests): ``2 (p - 1) / p`` for
-  ``all_reduce``, ``(p - 1) / p`` for ``reduce_scatter`` (``nbytes`` = its whole
-  input), ``(p - 1) / p`` for ``all_to_all`` too (``nbytes`` = the send buffer;
-  each rank keeps ``1 / p`` of it), ``1`` for ``reduce`` (a pipelined chain: every
-  link carries the whole buffer). It is what the busiest link of the call carries.
-  ``reduction_call`` gives the call of each reduction mode (see [Note: reduction
-  modes] in ``flatgrad/reducer/modes.py``): ``exact`` sends the bytes a reduce_scatter
-  does, ``int8`` / ``fp8`` their wire format (0.5 + 2 / block of bf16's).
-* The report's "bytes sent" is what the simulated rank itself sends: the ring
-  share for ``all_reduce`` and ``reduce_scatter``, the whole buffer for a
-  ``reduce`` rooted elsewhere, nothing for one rooted at it.
-* ``busbw``: the NVLink bus bandwidth when the group fits in one node, else the
-  InfiniBand one (a ring is as fast as its slowest hop). A multi-node ring's IB
-  bus bandwidth comes from its channels crossing the node boundary on different
-  NICs, so it is capped at ``local`` NICs' line rate, ``local`` being the
-  group's ranks per node: a ring over one rank per node (a "rail") gets one NIC.
-* ``all_to_all`` is not a ring (see [Note: all_to_all cost]).
-* Latency: NCCL's own ring model (``src/graph/tuning.cc``: ``baseLat`` plus
-  ``hwLat`` per ring step; ``steps`` = ``2 (p - 1)`` for ``all_reduce``,
-  ``p - 1`` otherwise; ``inter_steps`` the same with nodes for ranks), with the
-  LL-protocol figures NCCL uses for small messages, which is where per-call
-  latency matters. Tree, NVLS, CollNet and PAT algorithms are not modelled, so
-  large-scale ``all_reduce`` latency is pessimistic (NCCL would pick a tree).
-* The calls of one backward run one after another (DeepSpeed issues them on
-  one stream); the model adds their times and ignores overlap with compute.
-
-[Note: all_to_all cost]
-NCCL has no all_to_all algorithm: it is a group of ``p - 1`` sends and
-receives per rank, one per peer, each its own chunk of ``nbytes / p``. So,
-with ``local`` ranks of the group per node and ``p - local`` peers elsewhere:
-
-* Bandwidth: the chunks for the ``local - 1`` peers of the rank's node cross
-  NVLink, the ``p - local`` others leave through the rank's own NIC (one NDR
-  NIC per GPU on a rail-optimised HGX node). The two run at once:
-  ``max(nbytes (local - 1) / p / nvlink_busbw, nbytes (p - local) / p / nic)``.
-  Inside one node this is the ring's bandwidth term. Across nodes a ring sends
-  only one hop in ``local`` over IB, spread over all the node's NICs, while an
-  all_to_all sends ``(p - local) / p`` of its bytes through one NIC: at 8 GPUs
-  per node and large ``p`` the same bytes take ``ib_busbw / nic`` = 8x longer.
-* Latency: one hop per peer, ``alpha + (local - 1) hop_intra + (p - local)
-  hop_inter``, as if the sends went one after another. NCCL spreads the peers
-  over a few channels, but each network send is its own operation on the proxy
-  thread; a ring has the same step count but only ``nodes - 1`` IB steps.
-
-Hierarchical modes (``reduction_calls``; the reducer implements all four,
-see [Note: two-stage reductions] in ``flatgrad/reducer/topology.py``, whose
-placement of the ranks on nodes and rails this model uses) split a group spread evenly over nodes into an intra-node stage over the
-rank's node and an inter-node stage over its rail (the ranks with its local
-index, one per node, which owns ``1 / local`` of the bucket after the first
-stage), in the manner of ZeRO++'s qgZ:
-
-* ``2d_reduce_scatter``: reduce_scatter in the node, then over the rail.
-* ``hier_exact``: bf16 all_to_all in the node, fp32 sum, then an all_to_all of
-  the fp32 node partials over the rail (every sum in fp32, in a fixed order).
-* ``hier_int8``: bf16 reduce_scatter in the node (NVLink is fast; NCCL sums),
-  then an all_to_all of the int8 wire of the node partial over the rail.
-* ``qgz_int8``: ZeRO++ qgZ: int8 all_to_all in the node, dequantize and sum,
-  requantize, int8 all_to_all over the rail (two quantizations).
-
-The two stages are priced in series, like every call of a backward. The
-pack/quantize/unpack kernels are not priced (they are the same few memory
-passes in every mode).
-
-Default figures, all flags of ``flatgrad plan``:
-
-============  =========  ========================================================
-parameter     default    source
-============  =========  ========================================================
-NVLink busbw  450 GB/s   nccl-tests ``all_reduce_perf`` on 8x H100 SXM (NVLink 4,
-                         NVSwitch) reaches 460-480 GB/s busbw at large sizes
-                         (Alaya NeW, "NCCL-tests in practice", reference table)
-IB busbw      400 GB/s   nccl-tests ``all_reduce_perf`` across H100 SXM nodes with
-                         8x 400 Gb/s NDR InfiniBand: 400-450 GB/s busbw at 8 GB
-                         (Saturn Cloud, "Validating multi-node GPU clusters with
-                         NCCL tests", expected-performance table)
-alpha         3.6 us     NCCL ``baseLat`` ring/LL (``src/graph/tuning.cc``)
-NVLink hop    0.47 us    NCCL ``hwLat`` NVLink ring/LL
-IB hop        2.7 us     NCCL ``hwLat`` NET ring/LL
-IB NIC        50 GB/s    one 400 Gb/s NDR NIC per GPU (HGX H100, rail-optimised),
-                         line rate; 8 of them are the IB busbw above
-GPUs / node   8          DGX/HGX H100
-============  =========  ========================================================
+An all_to_all is priced as the per-peer sends NCCL makes, not as a ring, and
+the two-stage modes as their two stages. See [Note: all_to_all cost] in docs/design.md.
 """
 
 from __future__ import annotations
@@ -96,15 +14,17 @@ import dataclasses
 
 import torch
 
+from ..kernels import wire
+from ..reducer import registry
 from .schedule import Collective, Schedule
 
 __all__ = ["CostModel", "DEFAULT", "FLAT_MODES", "HIERARCHICAL_MODES", "MODES", "reduction_call", "reduction_calls"]
 
-FLAT_MODES = ("reduce_scatter", "exact", "int8", "fp8")
-"""The reducer's modes: one call per bucket over its group. See [Note: reduction modes] in ``flatgrad/reducer/modes.py``."""
-HIERARCHICAL_MODES = ("2d_reduce_scatter", "hier_exact", "hier_int8", "qgz_int8")
+FLAT_MODES = registry.names(two_stage=False)
+"""The reducer's flat modes: one call per bucket over its group (``flatgrad.reducer.registry``)."""
+HIERARCHICAL_MODES = registry.names(two_stage=True)
 """Two-stage modes (the reducer's, placed as it places them). See [Note: all_to_all cost]."""
-MODES = FLAT_MODES + HIERARCHICAL_MODES
+MODES = registry.names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,24 +155,24 @@ class CostModel:
 DEFAULT = CostModel()
 
 
+def _stage_call(stage: registry.Stage, numel: int, dtype: torch.dtype, members: range, block: int) -> Collective:
+    """The collective of one stage of a mode, moving ``numel`` elements among ``members``."""
+    if stage.payload == "wire":  # W segments of the wire format, one per member
+        nbytes = len(members) * wire.segment_bytes(-(-numel // len(members)), block)
+        return Collective(stage.collective, nbytes, torch.uint8, members, payload=numel)
+    return Collective(stage.collective, numel, torch.float32 if stage.payload == "fp32" else dtype, members)
+
+
 def reduction_call(reduction: str, numel: int, dtype: torch.dtype, group: range, block: int = 256) -> Collective:
-    """The collective that moves a ``numel``-element bucket of ``dtype`` under a reduction mode.
+    """The collective that moves a ``numel``-element bucket of ``dtype`` under a flat reduction mode.
 
-    ``reduce_scatter``: today's call; ``exact``: an ``all_to_all`` of the same
-    bytes; ``int8`` / ``fp8``: an ``all_to_all`` of the quantized wire (uint8,
-    ``W`` segments of ``flatgrad.kernels.wire.segment_bytes``).
+    Priced from the mode's registry entry: ``reduce_scatter`` is one reduce_scatter of the comm dtype,
+    ``exact`` an ``all_to_all`` of the same bytes, ``int8`` / ``fp8`` an ``all_to_all`` of the quantized
+    wire (uint8, ``W`` segments of ``flatgrad.kernels.wire.segment_bytes``).
     """
-    from ..kernels import wire
-
-    if reduction == "reduce_scatter":
-        return Collective("reduce_scatter", numel, dtype, group)
-    if reduction == "exact":
-        return Collective("all_to_all", numel, dtype, group)
-    if reduction not in wire.KINDS:
-        raise ValueError(f"reduction must be one of reduce_scatter, exact, {', '.join(wire.KINDS)}; got {reduction!r}")
-    p = len(group)
-    shard = -(-numel // p)
-    return Collective("all_to_all", p * wire.segment_bytes(shard, block), torch.uint8, group, payload=numel)
+    if reduction not in FLAT_MODES:
+        raise ValueError(f"reduction must be one of {', '.join(FLAT_MODES)}; got {reduction!r}")
+    return _stage_call(registry.entry(reduction).stages[0], numel, dtype, group, block)
 
 
 def reduction_calls(
@@ -268,14 +188,13 @@ def reduction_calls(
 ) -> tuple[Collective, ...]:
     """The calls that move a ``numel``-element bucket of ``dtype`` under any mode of ``MODES``, as ``rank`` sees them.
 
-    Flat modes: ``(reduction_call(...),)``. Hierarchical modes (see [Note: all_to_all
-    cost]): an intra-node call over ``rank``'s node, then an inter-node call over its
-    rail (none when the group is one node), placed by ``flatgrad.reducer.topology.place_ranks``
-    as the reducer places them (``world_size``: the global one, default the group's nodes, whole).
-    ``numel`` must be a multiple of the group size (flatgrad's layouts pad to it).
+    Flat modes: ``(reduction_call(...),)``. Two-stage modes (see [Note: all_to_all cost]): the node
+    stage over ``rank``'s node, then the rail stage over its rail (none when the group is one node),
+    each priced from the mode's registry entry, placed by ``flatgrad.reducer.topology.place_ranks`` as
+    the reducer places them (``world_size``: the global one, default the group's nodes, whole). The
+    rail stage moves what the node stage left this rank: ``numel / L`` elements. ``numel`` must be a
+    multiple of the group size (flatgrad's layouts pad to it).
     """
-    from ..kernels import wire
-
     if reduction in FLAT_MODES:
         return (reduction_call(reduction, numel, dtype, group, block),)
     if reduction not in HIERARCHICAL_MODES:
@@ -289,25 +208,14 @@ def reduction_calls(
     from ..reducer.topology import place_ranks
 
     world = world_size if world_size is not None else -(-(group[-1] + 1) // g) * g
-    try:  # the reducer's own placement: see [Note: two-stage reductions] in flatgrad/reducer/topology.py
+    try:  # the reducer's own placement: see [Note: two-stage reductions] in docs/design.md
         topology = place_ranks(g, list(group), world, group.index(rank), name="gpus_per_node")
     except ValueError as exc:
         raise ValueError(f"{reduction} needs a group spread evenly over whole nodes of {g} ranks, got {group}: {exc}") from exc
     node, rail = _strided(topology.node_ranks), _strided(topology.rail_ranks)
     part = numel // topology.local_size  # what this rank owns after the node stage; the rail splits it n ways
-
-    def quantized(n: int, members: range) -> Collective:
-        nbytes = len(members) * wire.segment_bytes(n // len(members), block)
-        return Collective("all_to_all", nbytes, torch.uint8, members, payload=n)
-
-    if reduction == "2d_reduce_scatter":
-        calls = [Collective("reduce_scatter", numel, dtype, node), Collective("reduce_scatter", part, dtype, rail)]
-    elif reduction == "hier_exact":
-        calls = [Collective("all_to_all", numel, dtype, node), Collective("all_to_all", part, torch.float32, rail)]
-    elif reduction == "hier_int8":
-        calls = [Collective("reduce_scatter", numel, dtype, node), quantized(part, rail)]
-    else:  # qgz_int8
-        calls = [quantized(numel, node), quantized(part, rail)]
+    first, second = registry.entry(reduction).stages
+    calls = [_stage_call(first, numel, dtype, node, block), _stage_call(second, part, dtype, rail, block)]
     return tuple(c for c in calls if len(c.group) > 1)
 
 

@@ -1,26 +1,11 @@
 """flatgrad's per-backward gradient collectives under DeepSpeed ZeRO-2 and ZeRO-3, computed without processes.
 
-[Note: flatgrad ZeRO-2 schedule]
-``flatgrad.integrations.deepspeed.zero2`` splits every DeepSpeed param group,
-in reverse registration order, into sub-groups of about ``bucket_numel``
-elements (``split_param_groups``, reused here, not re-implemented). DeepSpeed
-flattens each sub-group and pads it to a multiple of ``p * 2``, which is
-``Layout.flat(numels, p, align=2)``: one ``reduce_scatter`` of ``layout.numel``
-elements per sub-group over its process group (none when the group has one
-rank). One ``BucketReducer`` serves each process group; it launches its
-buckets strictly in order, ordered by when their earliest-registered
-parameter's gradient arrives, and a bucket goes as soon as it and every
-earlier bucket are complete. The schedule replays the backward hook order
-through that rule, then the epilogue's ``finish()`` (reducer by reducer)
-launches whatever is left.
+ZeRO-2's schedule reuses the integration's own sub-group split and replays
+the reducer's launch rule over the traced hook order. See
+[Note: flatgrad ZeRO-2 schedule] in docs/design.md.
 
-[Note: flatgrad ZeRO-3 schedule]
-``flatgrad.integrations.deepspeed.zero3`` keeps DeepSpeed's IPG buckets and
-issues the collective stock issues (one ``reduce_scatter`` of the chunked,
-per-parameter padded bucket), so the calls are stock ZeRO-3's; what changes is
-the copies around them (one fused pack and unpack instead of the IPG copy, the
-``torch.cat`` re-pack, the divide and the per-parameter copies), which this
-model of the network does not count. A one-rank group issues no collective.
+ZeRO-3's calls are stock's, since flatgrad keeps DeepSpeed's IPG buckets. See
+[Note: flatgrad ZeRO-3 schedule] in docs/design.md.
 """
 
 from __future__ import annotations

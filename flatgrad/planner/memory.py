@@ -19,8 +19,8 @@ the gradient dtype's bytes and ``c`` the comm dtype's.
 * ZeRO-3, stock and flatgrad: the fp32 gradient partitions (``4 P / W``) and
   the IPG bucket (``B c``) persist; flatgrad packs straight from the
   gradients, which wait for their bucket's pack (up to ``B g`` more at the
-  peak). Measured on the CPU (``bench/memory.py``) flatgrad's ZeRO-3 peak
-  equals stock's: the wait overlaps stock's own IPG copy.
+  peak). flatgrad's ZeRO-3 peak equals stock's (``bench/memory.py``, in
+  docs/results.md): the wait overlaps stock's own IPG copy.
 
 ``bench/memory.py`` measures all of this on real engines; these formulas
 project it to sizes no test machine holds.

@@ -23,34 +23,9 @@ Built-in models (``MODELS``):
 * ``gpt``, ``mlp``: the same builders at any size (``--model-arg``), for tests
   and quick looks.
 
-[Note: backward hook order]
-DeepSpeed's gradient hooks fire when autograd accumulates a parameter's
-gradient. That order is *not* reverse registration order in general: the
-autograd engine runs ready nodes by decreasing sequence number, and all
-``AccumulateGrad`` nodes share the highest one, so parameters that one node
-produces together fire in that node's edge order. A ``LayerNorm`` fires
-``weight`` before ``bias``; a ``Linear`` fires ``bias`` before ``weight``; a
-tied embedding fires once, at its earliest use. ``describe`` therefore
-*traces* the order: it runs one forward and backward on the meta device (no
-memory, no compute) with post-accumulate-grad hooks, when the module offers
-``plan_inputs()``. The meta device runs on the same CPU ready queue as CPU
-tensors, so the traced order is the real one (checked against real CPU runs
-in tests/test_planner.py). Modules without ``plan_inputs()`` get reverse
-registration order, and ``ModelSpec.order_source`` says so.
-
-ZeRO-3 has an order of its own: its ``memory_efficient_linear`` (on by default)
-replaces ``torch.nn.functional.linear`` with DeepSpeed's
-``LinearFunctionForZeroStage3``, whose backward yields a Linear's weight
-gradient before its bias's. ``describe`` traces that order too, with the same
-replacement in place (``ModelSpec.zero3_backward_order``). DeepSpeed leaves the
-replacement in place for the rest of the process, so a ZeRO-2 engine built
-after a ZeRO-3 one in the same process fires in the ZeRO-3 order.
-
-The seed MoE cannot run forward without a process group (its experts
-all-to-all), so it declares its order: reverse registration, which is what
-autograd produces for it (experts last to first, each ``fc2`` then ``fc1``,
-biases before weights, then the gate, then ``fc2`` and ``fc1``); the trace
-tests check this against real DeepSpeed runs.
+Hooks fire in autograd's order, which is not reverse registration in general,
+so ``describe`` traces it with one meta-device backward (ZeRO-3's too, with its
+``memory_efficient_linear`` in place). See [Note: backward hook order] in docs/design.md.
 """
 
 from __future__ import annotations

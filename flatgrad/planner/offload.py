@@ -1,24 +1,8 @@
 """Host copies per backward under optimizer offload: stock DeepSpeed's per-parameter copies against flatgrad's.
 
-[Note: offload copies]
-Under ``offload_optimizer: {device: cpu}`` the reduced gradient of a rank's
-partition moves into the host fp32 partition at the accumulation boundary.
-
-* Stock ZeRO-1/2 copies once per parameter piece of the rank's partition of every
-  param group (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``); accumulating,
-  every micro-step also copies each such parameter's whole gradient to a host
-  buffer (``async_accumulate_grad_in_cpu_via_gpu``) and, after the first, back.
-* Stock ZeRO-3 copies once per parameter with data in the rank's partition
-  (``partition_grads`` into its host grad buffer, then ``_offload_grad_partition_at_boundary``).
-* flatgrad ZeRO-3 moves each bucket's reduced segment to the host in one transfer on a
-  GPU rank (the unpack writes the host buffers directly on a CPU rank), see
-  [Note: ZeRO-3 optimizer offload].
-* flatgrad ZeRO-1/2 makes one copy per bucket-sized sub-group on a GPU rank, at the
-  window's last micro-step only ([Note: shard targets]); on a CPU rank accumulating
-  in fp32 it makes none, the unpack writing the host partition in place.
-
-``offload_copies`` counts them for one backward at the boundary with no
-accumulation, from the same partitions and sub-groups as the schedules.
+Under ``offload_optimizer: {device: cpu}`` stock copies per parameter, flatgrad
+per bucket or sub-group (none on a CPU rank); ``offload_copies`` counts both
+for one backward at the boundary. See [Note: offload copies] in docs/design.md.
 """
 
 from __future__ import annotations

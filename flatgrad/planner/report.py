@@ -258,7 +258,7 @@ def modes_text(spec: ModelSpec, runs: ModeRuns, cost: CostModel, config: Mapping
         "bytes sent / IB bytes: per rank per backward (IB: to other nodes, averaged over the group); "
         "alpha / bandwidth: the latency and byte terms of time (calls in series); overlapped: a hierarchical mode's node and rail stages "
         "of different buckets at once (lower bound); vs RS: time / reduce_scatter's. fp8 moves int8's bytes. "
-        "Model: [Note: all_to_all cost] in flatgrad/planner/cost.py"
+        "Model: [Note: all_to_all cost] in docs/design.md"
     )
     return "\n".join(lines) + "\n"
 

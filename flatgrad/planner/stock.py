@@ -1,56 +1,8 @@
 """Stock DeepSpeed 0.19.8's per-backward gradient collectives, computed without processes.
 
-[Note: stock ZeRO-2 schedule]
-``DeepSpeedZeroOptimizer`` (``runtime/zero/stage_1_and_2.py``), as simulated here:
-
-1. Partitioning, per param group ``i`` of ``p`` ranks (the data-parallel group, or
-   the expert-data-parallel group of an MoE group): the trainable parameters are
-   flattened in group order, padded to a multiple of ``p * 2``
-   (``nccl_start_alignment_factor = 2``), and rank ``k`` owns
-   ``[k * S, (k + 1) * S)`` with ``S = padded / p``. A parameter belongs to every
-   partition its range touches (``initialize_gradient_partition``); its
-   ``grad_start_offset`` there is 0 where it starts inside the partition, else the
-   partition start minus its own.
-2. Hooks, in backward order (``reduce_independent_p_g_buckets_and_remove_grads``):
-   one IPG bucket per communication dtype, shared by all param groups. Before a
-   parameter is added, ``elements + numel > reduce_bucket_size`` flushes the
-   bucket (``reduce_ipg_grads``). The backward epilogue flushes what is left.
-3. A flush (``average_tensor``) walks the bucket in order and cuts every
-   parameter at partition boundaries: a list of slices ``(dst partition, numel,
-   process group)`` sorted by offset within each parameter. Consecutive slices
-   with the same destination and group merge, unless the slice lands in this
-   rank's own fp32 partition buffer (``grad_accum_dtype`` fp32 with 16-bit
-   parameters), which keeps its own entry. Slices are then keyed, in first-seen
-   order, by ``("reduce", dst, group)`` (``use_multi_rank_bucket_allreduce=false``)
-   or ``("allreduce", group)`` (true, DeepSpeed's default). Each key's slices
-   are flattened into calls of at most ``reduce_bucket_size`` elements
-   (``allreduce_no_retain`` / ``allreduce_and_scatter``: a call is cut once the
-   running total *exceeds* the size): ``dist.reduce(dst)`` or ``dist.all_reduce``
-   over the group.
-4. ``reduce_scatter=false`` (``gradient_reduction_w_predivide``): one
-   ``all_reduce`` of the whole bucket over the data-parallel group.
-   ``contiguous_gradients=false`` (``buffered_reduce_fallback``): the same.
-
-Why the calls are uneven: a bucket holds the gradients that arrive together in
-backward, in *backward* order, but the partitions cut the group in
-*registration* order, so a bucket covers a few partitions, in pieces whose
-sizes follow parameter sizes, not ``S``; a parameter straddling a partition
-boundary is cut into two calls' worth; and MoE expert parameters reduce over
-their own groups, with their own partitions, so a bucket that mixes them yields
-calls to both.
-
-[Note: stock ZeRO-3 schedule]
-``DeepSpeedZeroOptimizer_Stage3`` (``runtime/zero/stage3.py``): hooks in backward
-order, which under ZeRO-3 is ``ModelSpec.zero3_backward_order`` (its
-``memory_efficient_linear`` swaps ``torch.nn.functional.linear`` for an autograd
-function that yields a weight's gradient before its bias's; DeepSpeed leaves
-the swap in place for the rest of the process); a parameter whose partition group differs from the bucket's flushes it,
-and so does ``elements + numel > reduce_bucket_size`` when the bucket is not
-empty. A flush with ``reduce_scatter=true`` (default) is one
-``reduce_scatter_coalesced``: every parameter padded to ``ceil(numel / p) * p``,
-interleaved, one ``reduce_scatter_tensor`` of the sum. DeepSpeed 0.19.8 refuses
-its native MoE under ZeRO-3 (``engine.py``: "Native DeepSpeed MoE is not
-supported with ZeRO Stage 3").
+Both schedules follow DeepSpeed's own partitioning, bucketing and flushes step
+by step, so that they match real runs call for call. See
+[Note: stock ZeRO-2 schedule] and [Note: stock ZeRO-3 schedule] in docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Cross-rank agreement on the buckets: every rank builds the same ones, or every rank raises.
 
-[Note: layout agreement]
-A wrong layout on one rank would reduce mismatched elements or hang. At
-construction the ranks all_gather a fixed-size digest of (world size, bucket
-count, per bucket: layout kind, alignment, comm dtype, op, and every param's
-shape and dtype; a two-stage reduction's node size), plus a flag for a local setup error. If all agree, that is the
-only collective. Otherwise they all_gather the full descriptions and every rank
-raises the same ``LayoutMismatchError`` naming the first differing bucket and
-parameter; a rank whose own setup failed raises its error and the others name
-it. Every rank takes the same branch, so nothing hangs.
+A rank with a different layout would reduce mismatched elements or hang, so
+the ranks gather a fixed-size digest and, on a difference, every rank raises
+the same error. See [Note: layout agreement] in docs/design.md.
 """
 
 from __future__ import annotations

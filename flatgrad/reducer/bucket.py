@@ -1,22 +1,26 @@
-"""One bucket: its static plan, its per-micro-step state, and the pack -> collective -> unpack it runs.
+"""One bucket: its static plan, its per-micro-step state, and its one reduction path.
 
-The reducer decides when a bucket goes and on which stream; ``pack``, ``start``
-and ``unpack`` here are the bucket's own steps, each delegated to its
-``ReductionMode``. See [Note: bucket lifecycle] in ``flatgrad.reducer.reducer``.
+``Bucket.reduce`` packs the gradients and starts the collective through the bucket's mode, and
+the ``InFlight`` it returns waits and unpacks, returning the stats: the one path from gradients to
+shard that ``BucketReducer`` (around its streams and launch order) and ZeRO-3 (inside DeepSpeed's
+reduce stream) both take. It is two calls because on gloo the unpack of one bucket waits while
+later buckets pack; ZeRO-3's host staging moves what arrived and unpacks the copy (``Bucket.unpack``).
+See [Note: bucket lifecycle] in docs/design.md.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from .. import comm
+from ..kernels import UnpackPlan
 from ..layout import Layout
 from .modes import ReductionMode
 
-__all__ = ["Bucket", "describe_param"]
+__all__ = ["Bucket", "InFlight", "describe_param"]
 
 
 def describe_param(p: torch.Tensor) -> str:
@@ -25,14 +29,13 @@ def describe_param(p: torch.Tensor) -> str:
 
 
 class Bucket:
-    """One bucket's static plan, persistent buffers and per-micro-step state."""
+    """One bucket's static plan, persistent state (residual) and per-micro-step state (views, shard, flight)."""
 
     __slots__ = (
-        "id", "params", "layout", "device", "comm_dtype", "op", "method", "backend", "unpack_backend", "mode", "pack_scale",
-        "unpack_scale", "pack_plan", "unpack_plan", "wire_kernels", "residual", "pieces", "previous",
-        "input", "input_chunks", "output", "stage", "stage_chunks", "stage_recv", "recv", "wire_send", "wire_recv", "rail_send", "rail_recv",
-        "shard", "accumulate", "stats", "unpacked", "in_flight", "pack_stream", "unpack_stream",
-        "ready", "not_ready", "pending", "launched", "work",
+        "id", "params", "layout", "rank", "device", "comm_dtype", "op", "method", "backend", "unpack_backend", "mode",
+        "pack_scale", "unpack_scale", "divide", "pack_plan", "unpack_plan", "wire_kernels", "residual", "pieces",
+        "previous", "views", "flight", "shard", "accumulate", "stats", "unpacked", "in_flight", "pack_stream",
+        "unpack_stream", "ready", "not_ready", "pending", "launched",
     )  # fmt: skip
 
     def __init__(
@@ -51,10 +54,14 @@ class Bucket:
         postscale: float,
         streams: tuple[Any, Any] | None,
         unpack_backend: str | None = None,
+        divide: bool = False,
     ) -> None:
+        if divide and not mode.packs_comm_buffer:
+            raise TypeError(f"divide needs a mode that packs a comm-dtype buffer, not {type(mode).__name__}")
         self.id = bucket_id
         self.params = params
         self.layout = layout
+        self.rank = rank
         self.device = params[0].device
         self.comm_dtype = comm_dtype
         self.op = averaging.op
@@ -66,17 +73,19 @@ class Bucket:
         self.mode = mode
         self.pack_scale = averaging.prescale * float(prescale)
         self.unpack_scale = averaging.postscale * float(postscale)
+        # Stock ZeRO-3's divide of the packed buffer by W, where folding it into the pack's scale would change
+        # bits (see [Note: ZeRO-3 reduce path] in docs/design.md).
+        self.divide = divide
         # One fast path for pack and unpack: the kernels' plans, validated once (see [Note: plans] in
-        # flatgrad/kernels/_plan.py). A missing gradient is passed as None and packs as zeros.
+        # docs/design.md). A missing gradient is passed as None and packs as zeros.
         self.pack_plan = mode.pack_plan(layout, len(params), comm_dtype, self.device, backend)
-        self.unpack_plan = None  # made with the first shard
-        self.wire_kernels = None
+        self.unpack_plan: Any = None  # made with the first shard
+        self.wire_kernels = mode.wire_kernels(backend)
         self.residual = mode.residual(layout, self.device)
-        mode.prepare(self)
         self.pieces = tuple(layout.pieces(rank))
         self.previous: Bucket | None = None  # the comm buffer's previous occupant: see [Note: comm buffer pool]
-        self.input = self.input_chunks = self.output = self.stage = self.stage_chunks = self.stage_recv = None
-        self.recv = self.wire_send = self.wire_recv = self.rail_send = self.rail_recv = None
+        self.views: Any = None  # the mode's views of this micro-step's pool buffers
+        self.flight: InFlight | None = None
         self.shard: torch.Tensor | None = None
         self.accumulate = False
         self.stats: torch.Tensor | None = None
@@ -94,12 +103,21 @@ class Bucket:
         self.pending = len(self.params)
         self.launched = False
         self.in_flight = False
-        self.work = None
+        self.flight = None
+
+    def bind(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        """Take this micro-step's views of the pool buffers (one per purpose of the mode's ``pool_slots``)."""
+        self.views = self.mode.bind(self, buffers)
 
     def unbind(self) -> None:
         """Drop the views of the pool buffers (the pools are given back)."""
-        self.input = self.input_chunks = self.output = self.stage = self.stage_chunks = self.stage_recv = None
-        self.recv = self.wire_send = self.wire_recv = self.rail_send = self.rail_recv = None
+        self.views = None
+
+    def unpack_plan_for(self, shard: Any) -> Any:
+        """The unpack plan, made with the first shard (one tensor, or one per piece) and kept."""
+        if self.unpack_plan is None:
+            self.unpack_plan = UnpackPlan(self.layout, self.rank, shard, backend=self.unpack_backend)
+        return self.unpack_plan
 
     def grads(self) -> list[torch.Tensor | None]:
         """The bucket's gradients as pack inputs: missing ones are None (packed as zeros), odd ones are checked."""
@@ -129,18 +147,68 @@ class Bucket:
             raise ValueError(f"{where} got a gradient on {g.device}, the bucket is on {self.device}")
         return g.contiguous()
 
-    def pack(self, grads: list[torch.Tensor | None]) -> None:
-        """Fill what the collective sends (the comm buffer, or the quantized send wire)."""
-        self.mode.pack(self, grads)
+    def reduce(
+        self,
+        grads: list[torch.Tensor | None],
+        group: Any,
+        collectives: comm.Collectives | None,
+        buffers: Mapping[str, torch.Tensor] | None = None,
+    ) -> "InFlight":
+        """Pack ``grads`` and start the collective, through the mode; the ``InFlight`` waits and unpacks.
 
-    def start(self, group: Any, rank: int, collectives: comm.Collectives | None) -> Any:
-        """Start the bucket's collective; a failure names the mode, the bucket and the rank."""
+        The views are the bound ones, or, with ``buffers``, views of those for this reduction only.
+        A failure to start names the mode, the bucket and the rank.
+        """
+        views = self.views if buffers is None else self.mode.bind(self, buffers)
+        if views is None:
+            raise RuntimeError(f"bucket {self.id} has no comm buffers bound: bind() them or pass buffers=")
+        self.mode.pack(self, views, grads)
         try:
-            return self.mode.start(self, group, collectives)
+            work = self.mode.start(self, views, group, collectives)
         except Exception as exc:
-            raise RuntimeError(f"flatgrad: the {self.mode.name} of bucket {self.id} failed on rank {rank}: {exc}") from exc
+            raise RuntimeError(f"flatgrad: the {self.mode.name} of bucket {self.id} failed on rank {self.rank}: {exc}") from exc
+        return InFlight(self, views, work)
 
-    def unpack(self, rank: int, world_size: int, collect_stats: bool) -> None:
-        """Write (first micro-step of a window) or add what arrived into the shard, with its stats."""
-        self.stats = self.mode.unpack(self, rank, world_size, collect_stats)
-        self.accumulate = True
+    def unpack(self, received: torch.Tensor, shard: Any, accumulate: bool, collect_stats: bool) -> torch.Tensor | None:
+        """Write (``accumulate=False``) or add ``received`` into ``shard`` through the mode; the stats when asked.
+
+        ``InFlight.unpack`` calls it with what arrived; a caller that moved that elsewhere (ZeRO-3's host
+        staging) calls it with the copy.
+        """
+        return self.mode.unpack(self, received, shard, accumulate, collect_stats)
+
+
+class InFlight:
+    """One bucket's started collective: wait for it, then unpack what arrived into a shard, returning the stats."""
+
+    __slots__ = ("bucket", "views", "work")
+
+    def __init__(self, bucket: Bucket, views: Any, work: Any) -> None:
+        self.bucket = bucket
+        self.views = views
+        self.work = work
+
+    @property
+    def received(self) -> torch.Tensor:
+        """What the unpack reads (a caller may move it first, e.g. to the host, and pass the copy to ``Bucket.unpack``)."""
+        return self.views.received
+
+    def is_completed(self) -> bool:
+        """Whether the collective is done (a two-stage one starts its second stage when it finds the first done)."""
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> None:
+        """Wait for the collective (on CUDA: order the current stream after it); a failure names bucket and rank."""
+        if self.work is None:
+            return
+        b = self.bucket
+        try:
+            self.work.wait()
+        except Exception as exc:
+            raise RuntimeError(
+                f"flatgrad: {b.mode.name} of bucket {b.id} failed on rank {b.rank} (world size {b.layout.world_size}): {exc}"
+            ) from exc
+
+    def unpack(self, shard: Any, accumulate: bool, collect_stats: bool) -> torch.Tensor | None:
+        """Write (``accumulate=False``) or add what arrived into ``shard``; the stats when asked."""
+        return self.bucket.unpack(self.views.received, shard, accumulate, collect_stats)

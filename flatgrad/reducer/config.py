@@ -7,13 +7,13 @@ import dataclasses
 import torch
 
 from ..kernels import DTYPES
-from ..kernels import wire
+from . import registry
 
 __all__ = ["LAYOUT_KINDS", "REDUCTIONS", "TWO_STAGE_REDUCTIONS", "ReducerConfig"]
 
 LAYOUT_KINDS = ("flat", "chunked")
-TWO_STAGE_REDUCTIONS = ("2d_reduce_scatter", "hier_int8", "hier_fp8", "hier_exact", "qgz_int8", "qgz_fp8")
-REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", *TWO_STAGE_REDUCTIONS)
+REDUCTIONS = registry.names()
+TWO_STAGE_REDUCTIONS = registry.names(two_stage=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +25,12 @@ class ReducerConfig:
             which must then be uniform).
         layout: ``"flat"`` or ``"chunked"`` (see ``flatgrad.Layout``).
         align: layout alignment in elements.
-        average: divide the sum by the world size (see [Note: averaging] in ``flatgrad.comm``);
+        average: divide the sum by the world size (see [Note: averaging] in docs/design.md);
             ``False`` sums.
         prescale: extra multiplier applied in pack.
         postscale: extra multiplier applied in unpack.
         backend: flatgrad kernel backend (``None``: automatic per device).
-        method: reduce_scatter method (see [Note: reduce_scatter method] in ``flatgrad.comm``).
+        method: reduce_scatter method (see [Note: reduce_scatter method] in docs/design.md).
         comm_buffers: how many bucket-sized comm buffers the buckets of one device and comm dtype share
             (see [Note: comm buffer pool]); 1 serialises pack and collective, 2 (the default) overlaps
             them as stock's double IPG buffer does.
@@ -39,13 +39,11 @@ class ReducerConfig:
         collect_stats: every unpack also computes, in the same pass, the sum of squares and the
             non-finite count of the shard it wrote, for the gradient norm and the overflow check
             without reading the shards again.
-        reduction: ``"reduce_scatter"`` (the default), or one of the all_to_all modes of
-            [Note: reduction modes]: ``"exact"``, ``"int8"``, ``"fp8"``, or the two-stage
-            ``"2d_reduce_scatter"`` (node stage, then rail stage; see [Note: two-stage reductions]) and
-            ``"hier_int8"`` / ``"hier_fp8"`` (the node stage, then a quantized all_to_all over the rail) and
-            ``"hier_exact"`` (all_to_alls in both stages, fixed-order fp32 sums: deterministic) and
-            ``"qgz_int8"`` / ``"qgz_fp8"`` (quantized all_to_alls in both stages, ZeRO++ qgZ's schedule).
-        block: the quantized modes (int8, fp8, hier_*, qgz_*): elements per fp32 scale, a power of two in [32, 4096].
+        reduction: a name of ``REDUCTIONS``, ``"reduce_scatter"`` by default: each mode is one entry of
+            ``flatgrad.reducer.registry.MODES`` (the docs' table of modes lists them; see
+            [Note: reduction modes] and [Note: two-stage reductions] in docs/design.md).
+        block: the quantized modes (those with a wire ``kind`` in the registry): elements per fp32 scale, a power
+            of two in [32, 4096].
         error_feedback: the quantized modes: carry each rank's quantization error into its next
             quantize.
         node_size: two-stage reductions: ranks per node (``None``: the launcher's
@@ -82,17 +80,7 @@ class ReducerConfig:
             raise ValueError(f"comm_buffers must be an int >= 1, got {self.comm_buffers!r}")
         if self.accum_dtype not in DTYPES:
             raise ValueError(f"accum_dtype must be one of fp32, bf16, fp16, got {self.accum_dtype!r}")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
-        wire.check_block(self.block, "block")
-        if not isinstance(self.error_feedback, bool):
-            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
-        kind = self.reduction.removeprefix("hier_").removeprefix("qgz_")
-        if kind in wire.KINDS:
-            wire.check_kind(kind, "reduction")
-        elif self.error_feedback:
-            raise ValueError(f"error_feedback needs a quantized reduction (int8, fp8, hier_*, qgz_*), not {self.reduction!r}")
-
+        registry.check_options(self.reduction, self.block, self.error_feedback)
         if self.node_size is not None and (
             isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1
         ):

@@ -1,32 +1,9 @@
 """The comm buffer pools, taken per micro-step.
 
-[Note: comm buffer pool]
-Stock DeepSpeed keeps one or two bucket-sized IPG buffers, not one per bucket,
-and only during a backward (``setup_buckets`` to the epilogue); so does
-flatgrad. The pools are taken at the first launch of a micro-step and given
-back by ``finish()``, so between steps, and in ``step()``, a reducer holds no
-comm buffer: the optimizer step's own temporaries (gloo's all_gather staging,
-the optimizer's) reuse that memory. On CUDA the caching allocator serves them
-from its cache, on the stream current at the first launch; ``finish()`` has
-made that stream wait on the side streams and records the buffers on them
-before dropping them. The buckets of one device and pool dtype share
-``comm_buffers`` buffers (default 2), each as large as the largest of those
-buckets, so a pool too small for a bucket cannot be built. Bucket ``k`` uses
-buffer ``k mod comm_buffers``: launches are in bucket order, so the
-assignment is static and every rank uses the same one. Before bucket ``k``
-packs, bucket ``k - comm_buffers`` (the buffer's previous occupant in this
-micro-step) must have been unpacked: on CUDA ``pack_stream`` waits on that
-bucket's ``unpacked`` event, on CPU the reducer unpacks it first, waiting on
-its collective's ``Work``. With two or more buffers the pack of bucket
-``k + 1`` therefore still runs while bucket ``k``'s collective is in flight.
-Across micro-steps nothing is needed: ``finish()`` has drained everything.
-What one pool slot holds is the mode's: ``ReductionMode.pool_slots``.
-
-The reduce_scatter runs in place: its output is the rank's chunk
-``buffer[rank * S : (rank + 1) * S]`` of its input. NCCL's reduce_scatter
-defines that case (recvbuff == sendbuff + rank * recvcount), and gloo's list
-and tensor forms give the same bits in place as out of place (checked in
-``tests/test_comm.py``), so no backend here needs a separate output buffer.
+As stock keeps one or two IPG buffers, the buckets of one device and dtype
+share ``comm_buffers`` buffers, assigned statically (bucket ``k`` uses buffer
+``k mod comm_buffers``) and held only from a micro-step's first launch to
+``finish()``. See [Note: comm buffer pool] in docs/design.md.
 """
 
 from __future__ import annotations
@@ -54,7 +31,7 @@ class PoolSpec(NamedTuple):
 class CommPools:
     """The pools of one reducer: planned once, taken at a micro-step's first launch, given back by ``finish()``."""
 
-    def __init__(self, buckets: Sequence[Bucket], comm_buffers: int, rank: int, world_size: int) -> None:
+    def __init__(self, buckets: Sequence[Bucket], comm_buffers: int) -> None:
         members: dict[tuple[torch.device, torch.dtype | None], list[Bucket]] = {}
         for b in buckets:
             members.setdefault((b.device, b.mode.pool_dtype(b.comm_dtype)), []).append(b)
@@ -63,12 +40,11 @@ class CommPools:
             count = min(comm_buffers, len(group))
             for k, b in enumerate(group):
                 b.previous = group[k - count] if k >= count else None
-            for purpose, size, slot_dtype in group[0].mode.pool_slots(group, world_size):
+            slots = group[0].mode.pool_slots([b.layout for b in group], group[0].comm_dtype)
+            for purpose, size, slot_dtype in slots:
                 key = (device, dtype) if purpose == "input" else (purpose, device, dtype)
                 self.pools.append(PoolSpec(key, count, size, slot_dtype, purpose, group))
         self.buckets = list(buckets)
-        self.rank = rank
-        self.world_size = world_size
         self.taken: dict[tuple, list[torch.Tensor]] | None = None
 
     @property
@@ -81,11 +57,14 @@ class CommPools:
         if self.taken is not None:
             return
         taken: dict[tuple, list[torch.Tensor]] = {}
+        buffers: dict[int, dict[str, torch.Tensor]] = {}
         for p in self.pools:
             device = p.buckets[0].device
             pool = taken[p.key] = [torch.empty(p.size, dtype=p.dtype, device=device) for _ in range(p.count)]
             for k, b in enumerate(p.buckets):
-                b.mode.bind(b, p.purpose, pool[k % p.count], self.rank, self.world_size)
+                buffers.setdefault(id(b), {})[p.purpose] = pool[k % p.count]
+        for b in self.buckets:
+            b.bind(buffers[id(b)])
         self.taken = taken
 
     def release(self) -> None:

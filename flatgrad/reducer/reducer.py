@@ -3,93 +3,10 @@
 Engine-agnostic: plain PyTorch uses it directly (``build_buckets`` + hooks), the
 DeepSpeed integration drives it from its own hooks (``register_hooks=False``).
 
-[Note: bucket lifecycle]
-A bucket is a list of parameters whose gradients become ready together in
-backward. At construction every bucket gets a static ``Layout`` over its params'
-numels (bucket order = layout order) and a slot in the reducer's pool of comm
-buffers (see [Note: comm buffer pool]). Per micro-step:
-
-1. ``mark_ready(param)`` (the post-accumulate-grad hook) counts the bucket down;
-2. when it reaches zero, and every earlier bucket has been launched (see
-   [Note: launch order]), the bucket waits until its comm buffer's previous
-   occupant has been unpacked, one fused ``pack`` fills the buffer (cast to the
-   comm dtype, pre-scale, zero padding; a param without a gradient is passed
-   as None and packs as zeros, so no zeros tensor is ever made; int8/fp8: one
-   fused pack-quantize fills the send wire instead, see [Note: reduction modes]),
-   ``param.grad`` is dropped, and one async ``reduce_scatter`` starts,
-   in place: its output is this rank's own chunk of the buffer;
-3. one fused ``unpack`` casts that chunk to the shard dtype (fp32), post-scales
-   it, and copies it into the bucket's ``shard`` on the first micro-step of an
-   accumulation window or adds it afterwards (see [Note: shard lifetime]);
-4. ``finish()`` launches what is left, waits for everything, and the shards
-   are final for this micro-step.
-
-Nothing on this path syncs the host or rebuilds a table. The pool's plan is
-made once and its buffers are taken per micro-step; a bucket's shard is made
-at its first unpack of an accumulation window. A non-contiguous gradient is copied to a contiguous one before
-packing (off the common path).
-
-[Note: shard lifetime]
-The fp32 shards live only while a gradient is being accumulated or waits to
-be consumed. A bucket's shard is allocated when the bucket is first launched
-in an accumulation window (its first unpack copies, later ones add), and all
-are released by ``zero_grad()``, which the owner calls once the optimizer has
-consumed them. Between steps a reducer therefore holds only its comm
-buffers. By default each shard is allocated on its own, as its bucket is
-launched, so that the shards come into being as the gradients they replace
-are dropped. With ``shard_arena`` the first launch of a window allocates one
-arena that all shards are slices of, in the order the caller asks: what an
-optimizer needs to update many buckets' partitions as one tensor, and what
-stock ZeRO-2 does with its own partition buffer (``grads_in_partition``,
-allocated whole at its first bucket). The arena costs memory only in the
-first micro-step of a window, between the first and the last launch
-(measured in ``bench/memory.py``). On CUDA the caching allocator serves
-these from its cache after the first step, with no device allocation.
-``grad_shards()`` hands out the current window's shards; a caller that keeps
-one keeps its memory alive (a shard is dropped, never resized under a view).
-With ``shard_targets`` the shards end in the caller's own tensors instead
-(see [Note: shard targets] in ``flatgrad/reducer/shards.py``): the store of
-shards is one object per placement (``shards.py``), chosen at construction.
-
-[Note: launch order]
-Collectives are matched across ranks by the order they are issued in, not by
-name. Buckets are therefore launched strictly in bucket order: a bucket whose
-gradients are all ready waits until every earlier bucket has been launched
-(as DDP's reducer does). Ranks whose backward orders differ (data-dependent
-control flow, a param unused on one rank only) still issue the same sequence
-of collectives; they only overlap less.
-
-[Note: streams]
-On CUDA three streams take part, each for one reason:
-
-* the current stream (autograd's, as seen in the hook) produces ``param.grad``
-  and, after ``finish()``, consumes the shards (the optimizer);
-* ``pack_stream`` packs bucket ``k`` while the current stream computes the
-  gradients of bucket ``k + 1``. It waits on the stream current in each
-  param's hook as the param becomes ready, and on the current stream again at
-  launch (the gradients must be complete: a bucket held back by
-  [Note: launch order] is launched from a later hook, possibly on another
-  stream, e.g. for layers run on a side stream); each gradient is ``record_stream``-ed on it
-  before ``param.grad`` drops the last reference, so the caching allocator
-  does not hand the memory out while the pack still reads it. The collective
-  is issued from this stream, so NCCL orders it after the pack;
-* ``unpack_stream`` waits on the collective (``work.wait()`` under it, which
-  blocks no host thread on NCCL) and unpacks into the shard. It is separate
-  from ``pack_stream`` so that the pack of bucket ``k + 1`` does not queue
-  behind the collective of bucket ``k``.
-
-Within a micro-step a pooled comm buffer is handed from unpack to pack by
-the ``unpacked`` event of its previous occupant (see [Note: comm buffer
-pool]). ``finish()`` makes the current stream wait on ``unpack_stream``. The
-next micro-step's pack waits on the current stream, hence on every earlier
-unpack, so a comm buffer or shard is never written while a previous reader
-may still be running. The shard arena is allocated on the current stream
-(outside the side-stream contexts) and dropped after ``finish()`` has made
-the current stream wait for every unpack, so the caching allocator can reuse
-it safely. On CPU (gloo) the collective runs on gloo's threads; the pack runs
-in the hook, and the unpack of a bucket runs as soon as its collective is
-found complete at a later launch, when its buffer is needed again, or in
-``finish()``.
+Per bucket and micro-step: the hooks count it down, it launches in bucket order once its gradients are
+ready (``Bucket.reduce``: pack, collective), its unpack writes or adds its shard, and ``finish()`` waits for
+all. See [Note: bucket lifecycle], [Note: shard lifetime], [Note: launch order] and [Note: streams] in
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -108,9 +25,9 @@ from ..kernels import DTYPES, resolve_backend
 from ..layout import Layout, Piece, split_numels
 from .agreement import LayoutMismatchError, agree, agreement_device
 from .bucket import Bucket, describe_param
-from .config import TWO_STAGE_REDUCTIONS, ReducerConfig
-from .modes import make_mode
-from .topology import Topology, plan_topology
+from .config import ReducerConfig
+from .setup import plan_mode
+from .topology import Topology
 from .pool import CommPools
 from .shards import TargetShards, arena_offsets, check_targets, make_store
 
@@ -246,10 +163,7 @@ class BucketReducer:
             if collectives is not None and not isinstance(collectives, comm.Collectives):
                 raise TypeError(f"collectives must be a flatgrad.comm.Collectives or None, got {type(collectives).__name__}")
             self.config = config
-            if config.reduction in TWO_STAGE_REDUCTIONS and self.world_size > 1:
-                members = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-                self.topology = plan_topology(config.node_size, members, dist.get_world_size(), self.rank)
-            self.mode = make_mode(config, self.world_size, self.topology)
+            self.mode, self.topology = plan_mode(config, process_group)
             specs = self._describe_buckets(buckets, register_hooks)
             offsets = arena_offsets(shard_arena, [s.layout for s in specs], [s.device for s in specs])
             check_targets(shard_targets, [s.layout for s in specs], shard_arena, config.accum_dtype)
@@ -265,7 +179,7 @@ class BucketReducer:
         self.collect_stats = bool(config.collect_stats)
         self._collectives = collectives
         self._buckets = [self._bucket(i, spec) for i, spec in enumerate(specs)]
-        self._comm = CommPools(self._buckets, config.comm_buffers, self.rank, self.world_size)
+        self._comm = CommPools(self._buckets, config.comm_buffers)
         self.buckets: list[list[nn.Parameter]] = [list(b.params) for b in self._buckets]
         self.layouts: list[Layout] = [b.layout for b in self._buckets]
         self.kernel_backends: list[str] = [spec.backend for spec in specs]
@@ -395,8 +309,7 @@ class BucketReducer:
         if b.pack_stream is None:
             if b.previous is not None and b.previous.in_flight:
                 self._drain(block=True, through=b.previous)  # its comm buffer is this bucket's
-            b.pack(grads)
-            b.work = b.start(self.process_group, self.rank, self._collectives)
+            b.flight = b.reduce(grads, self.process_group, self._collectives)
             b.in_flight = True
             self._inflight.append(b)
         else:
@@ -407,14 +320,13 @@ class BucketReducer:
             if b.previous is not None:
                 b.pack_stream.wait_event(b.previous.unpacked)  # see [Note: comm buffer pool]
             with torch.cuda.stream(b.pack_stream):
-                b.pack(grads)
+                b.flight = b.reduce(grads, self.process_group, self._collectives)
                 for g in grads:
                     if g is not None:
                         g.record_stream(b.pack_stream)
-                b.work = b.start(self.process_group, self.rank, self._collectives)
             with torch.cuda.stream(b.unpack_stream):
-                if b.work is not None:
-                    b.work.wait()
+                if b.flight.work is not None:
+                    b.flight.wait()
                 else:
                     b.unpack_stream.wait_stream(b.pack_stream)
                 self._unpack(b)
@@ -431,7 +343,8 @@ class BucketReducer:
 
     def _unpack(self, b: Bucket) -> None:
         self._ensure_shard(b)
-        b.unpack(self.rank, self.world_size, self.collect_stats)
+        b.stats = b.flight.unpack(b.shard, b.accumulate, self.collect_stats)
+        b.accumulate = True
         self._shards.unpacked(b)
 
     def _drain(self, block: bool, through: Bucket | None = None) -> None:
@@ -442,16 +355,9 @@ class BucketReducer:
         """
         while self._inflight:
             b = self._inflight[0]
-            if b.work is not None:
-                if not block and not b.work.is_completed():
-                    return
-                try:
-                    b.work.wait()
-                except Exception as exc:
-                    raise RuntimeError(
-                        f"flatgrad: {b.mode.name} of bucket {b.id} failed on rank {self.rank} "
-                        f"(world size {self.world_size}): {exc}"
-                    ) from exc
+            if not block and not b.flight.is_completed():
+                return
+            b.flight.wait()
             self._unpack(b)
             b.in_flight = False
             self._inflight.popleft()

@@ -2,45 +2,16 @@
 
 The reducer asks its store for a bucket's shard at the bucket's first launch of an
 accumulation window, tells it when a bucket has been unpacked, and drops the
-shards at ``zero_grad()``; see [Note: shard lifetime] in ``reducer.py``.
+shards at ``zero_grad()``; see [Note: shard lifetime] in docs/design.md.
 
 * ``OwnShards``: each shard allocated on its own, as its bucket launches.
 * ``ArenaShards``: one arena per window, the shards slices of it in the caller's order.
 * ``TargetShards``: the caller's own persistent tensors, one per bucket (an optimizer's
   host partitions under offload); see [Note: shard targets].
 
-[Note: shard targets]
-With ``shard_targets`` every bucket's window ends in a tensor the caller owns and
-keeps: under ZeRO-Offload, the fp32 gradient partition on the host that the CPU
-optimizer reads. Two cases, decided per bucket at construction:
-
-* in place: the target is on the bucket's device and has the accumulation dtype
-  (a CPU rank, fp32 accumulation). The target is the shard from the window's first
-  unpack on: the unpack writes (then adds) into it directly, so the reduced
-  gradient reaches the optimizer with no copy and no shard is allocated;
-* delivered: otherwise (a GPU rank, whose target is host memory; or bit16
-  accumulation into an fp32 target) the window's shard is allocated as usual and,
-  once the last micro-step of the window has unpacked it, one copy per bucket
-  moves it into the target. After delivery the bucket's shard *is* the target, so
-  ``grad_shards()`` and the stats describe it.
-
-A delivery from CUDA into host memory never syncs the host inside the backward:
-
-* into a pinned target it is one ``non_blocking`` copy on the unpack stream, made
-  as the bucket's unpack is queued (the owner says which micro-step is the last:
-  ``BucketReducer.final_micro_step``), so it overlaps the rest of the backward;
-* into a pageable target a copy blocks the host, so it waits for ``finish()``,
-  when every collective of the micro-step has been issued;
-* a bit16 shard into an fp32 target is copied as bit16 into the first half of the
-  target's own bytes and widened there on the host once it has landed
-  (``widen_in_place``): no fp32 temporary on the device and no staging buffer.
-  The value is the bit16 sum widened, as stock casts its accumulated gradient.
-
-``finish()`` records one event after the window's host copies (one persistent
-event per stream) and waits for it, because the host reads the targets next.
-``deliver()`` delivers what is left (a window whose last micro-step was not
-announced) on the current stream, which ``finish()`` ordered after every unpack,
-so a write to a shard between ``finish()`` and ``deliver()`` is delivered too.
+Shard targets are written in place where device and dtype allow, else
+delivered once per bucket at the window's end without syncing the host inside
+the backward. See [Note: shard targets] in docs/design.md.
 """
 
 from __future__ import annotations

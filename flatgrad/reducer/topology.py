@@ -1,48 +1,9 @@
 """Node and rail groups of a process group, for the two-stage reductions.
 
-[Note: two-stage reductions]
-Across nodes a flat reduce_scatter sends every rank's ``(W - 1) / W`` of the
-bucket over the network. A two-stage reduction first reduces within the node
-(the L ranks that share one, over the fast local links), then over the *rail*
-(the N ranks with the same local rank, one per node): each rank then sends
-only ``(N - 1) / W`` of the bucket across a node boundary.
-
-* The groups: a member of the reducer's process group is at node
-  ``global_rank // node_size`` (``node_size``: ranks per node, the launcher's
-  ``LOCAL_WORLD_SIZE`` by default, else the whole world). Its node group is the
-  group's members on its node, its rail group the members with its local
-  index (its place among its node's members, by global rank) on every node.
-  Every node must hold the same number of members; for the whole world that
-  is ``node_size`` dividing the world size. The same construction serves a
-  subgroup (an expert-data-parallel group of MoE): its members on a node form
-  its node group.
-* The order (see [Note: segment order] in ``flatgrad/layout.py``): the node
-  stage gives the member of local index ``l`` the ``l``-th of L equal chunks,
-  the rail stage gives the member on node ``n`` the ``n``-th of N chunks of
-  that, so the pack writes the segment of the member at ``(n, l)`` at
-  position ``l * N + n``.
-* Validation, on every rank: ``node_size`` must be an int >= 1 that divides
-  the world size and, when ``LOCAL_WORLD_SIZE`` is set, equal it. A bad value
-  is a local error; the reducer's agreement (see [Note: layout agreement])
-  exchanges every rank's ``node_size`` (in the mode's description) and every
-  local error before any group is made, so every rank raises and none hangs
-  in the group construction.
-* One node, or one rank per node: one of the stages is empty and the
-  two-stage mode is the flat one. The reducer then runs the flat mode and
-  warns (see ``make_mode``).
-* The groups are made once per reducer, after the agreement. Every member of
-  the parent group makes *every* node group of the parent, in node order, then
-  every rail group, in local order, and keeps its own two: every member makes
-  the same ``new_group`` calls with the same ranks in the same order. That is
-  torch's contract for ``new_group``, and it is what NCCL needs where the
-  default group is bound to a device (DeepSpeed binds one on CUDA): there each
-  ``new_group`` is an ``ncclCommSplit`` of the parent communicator that every
-  rank enters in the same order, members or not, and a group's name counts the
-  groups its rank made before. ``use_local_synchronization`` does not make
-  creation local in that case; it only limits the closing barrier to the
-  members, so that a subgroup parent (an expert-data-parallel group) needs no
-  call from the ranks outside it. Parents of one kind have one shape (the
-  expert groups of one MoE layer), so their members make equally many groups.
+A two-stage reduction sends only ``(N - 1) / W`` of a bucket across nodes;
+every member makes every node and rail group of its parent in one order, since
+``new_group`` (NCCL's ``ncclCommSplit``) needs every rank's same calls. See
+[Note: two-stage reductions] in docs/design.md.
 """
 
 from __future__ import annotations

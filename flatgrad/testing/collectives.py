@@ -316,7 +316,7 @@ def sent_bytes(call: Call, rank: int) -> float:
     rooted at another rank, nothing for one rooted here or on a one-rank group.
     ``grad_all_to_all``: the ``p - 1`` chunks that go to other ranks, ``(p - 1) / p``
     of the buffer (the quantized wire's bytes for int8 / fp8).
-    See [Note: cost model] in ``flatgrad/planner/cost.py``.
+    See [Note: cost model] in docs/design.md.
     """
     if call.op not in REDUCTION_OPS:
         raise ValueError(f"sent_bytes models gradient reductions {REDUCTION_OPS}, got {call.op!r}")

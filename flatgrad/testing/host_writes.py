@@ -54,11 +54,12 @@ class HostWrites:
             setattr(torch.Tensor, name, counted)
         unpack = Bucket.unpack
 
-        def counted_unpack(b: Bucket, *args: Any, **kwargs: Any) -> Any:
-            shard = b.shard[0] if isinstance(b.shard, (list, tuple)) and b.shard else b.shard
+        def counted_unpack(b: Bucket, received: Any, shard: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(shard, (list, tuple)):
+                shard = shard[0] if shard else None
             if self._inside(shard):
                 self.unpacks += 1
-            return unpack(b, *args, **kwargs)
+            return unpack(b, received, shard, *args, **kwargs)
 
         self._saved.append((Bucket, "unpack", unpack))
         Bucket.unpack = counted_unpack  # type: ignore[method-assign]

@@ -25,18 +25,9 @@
 namespace flatgrad {
 namespace cuda {
 
-// [Note: CUDA arithmetic]
-// The kernels follow [Note: arithmetic contract] in
-// flatgrad/kernels/reference.py bit for bit:
-// * casts go through c10::BFloat16 / c10::Half, the types torch's own CUDA
-//   copy kernels use, so the rounding (RNE through fp32, NaN canonicalised by
-//   the same cvt instruction) is torch's;
-// * a same-dtype copy without scale moves the bits untouched (torch's `to`
-//   is then a no-op, so NaN payloads survive; a round trip through fp32
-//   would canonicalise them);
-// * multiply and add are __fmul_rn / __fadd_rn: never contracted into an FMA,
-//   whatever --fmad says (setup.py also passes --fmad=false);
-// * accumulate is cast(float(out) + float(value)), one rounding to out's type.
+// Casts go through torch's own c10 types and multiply/add are never contracted
+// into an FMA, so that the kernels give the reference's bits. See
+// [Note: CUDA arithmetic] in docs/design.md.
 FLATGRAD_HD float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);

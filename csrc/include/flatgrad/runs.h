@@ -1,5 +1,5 @@
 // Run-table columns shared by every compiled backend.
-// See [Note: run tables] in flatgrad/layout.py: the tables are int64 [R, 5]
+// See [Note: run tables] in docs/design.md: the tables are int64 [R, 5]
 // (pack) and [R, 4] (unpack), row-major, made once per layout and device.
 #pragma once
 
@@ -65,7 +65,7 @@ inline void walk_pack_runs(const std::vector<int64_t>& start, const int64_t* tab
 
 // Tensor tables: int64 [T, 2] rows (address, dtype code), one per tensor of a
 // call. The CUDA ops build one per call; a PackPlan / UnpackPlan keeps one (see
-// [Note: plans] in flatgrad/kernels/_plan.py). Address 0 means "no source":
+// [Note: plans] in docs/design.md). Address 0 means "no source":
 // pack writes zeros for that tensor's whole range.
 namespace table_col {
 constexpr int64_t kAddress = 0;

@@ -1,7 +1,7 @@
 // The CPU quantize of one block of the wire (csrc/wire.cpp's wire_quantize and
 // csrc/pack_quantize.cpp's fused pack-quantize share it).
 //
-// Arithmetic: [Note: wire arithmetic contract] in flatgrad/kernels/wire_reference.py,
+// Arithmetic: [Note: wire arithmetic contract] in docs/design.md,
 // bit for bit (the files including this are built with -ffp-contract=off).
 #pragma once
 

@@ -1,39 +1,9 @@
 """ZeRO-2's optimizer update over arenas: a run of sub-groups is one tensor to the optimizer.
 
-[Note: optimizer arenas]
-flatgrad ZeRO-1/2 splits a param group into bucket-sized sub-groups, so the
-optimizer sees one fp32 partition per sub-group where stock sees one per
-group. On CPU torch's optimizers loop over tensors (``_foreach_*`` runs each
-tensor on its own there, single-threaded below its grain size), so the step
-grew with the number of sub-groups: 1.76x the one-sub-group step at 100
-(``bench/zero_step.py --sub-groups``). Arenas give the optimizer stock's shape
-back, with no copy per step:
-
-* the fp32 master partitions of a reducer's sub-groups are slices of one
-  tensor (``Tensor.set_`` at install: every partition keeps its identity, so
-  DeepSpeed's param groups, ``_hp_mapping`` and checkpoints see what they saw);
-* the reducer's gradient shards are slices of one arena in the same order
-  (``BucketReducer(shard_arena=...)``), as stock's ``grads_in_partition`` is
-  one buffer;
-* each step, consecutive sub-groups of equal settings form a run, and the
-  optimizer updates a run as one param: a view of the master arena whose
-  ``.grad`` is the same slice of the gradient arena, and whose state is one
-  tensor per key. Every sub-group's own state holds views of it (its scalar
-  state, Adam's ``step``, is the run's one tensor), so ``state_dict()``,
-  DeepSpeed's checkpoints and ``safe_get_full_optimizer_state`` read the
-  same values as before.
-
-Only optimizers whose update is elementwise (``ELEMENTWISE``) update the
-concatenation exactly as they update its pieces, so only those take this
-path; others keep the merged multi-tensor step of [Note: ZeRO-2 step], and
-so does ZeRO-1, whose partitions appear in the boundary's backward (see
-[Note: ZeRO-2 memory]). A partition that DeepSpeed or a user pointed at other
-memory is copied back into its arena at the next step (``check_masters``). A
-checkpoint load replaces or writes the per-sub-group state; the next step
-then gathers it into a fresh run state (one key at a time), as it does when
-the runs change. Any step that does not go through the arenas first gives
-every sub-group its own scalar state back (``unshare``), so that it is
-counted once per sub-group.
+Bucket-sized sub-groups would make a CPU optimizer loop over many tensors, so
+the sub-groups' partitions, gradients and state are slices of arenas and an
+elementwise optimizer updates a run of them as one param. See
+[Note: optimizer arenas] in docs/design.md.
 """
 
 from __future__ import annotations

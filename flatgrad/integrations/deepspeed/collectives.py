@@ -4,7 +4,7 @@ Stock DeepSpeed issues its gradient collectives through ``deepspeed.comm``, so
 its comms logger (``"comms_logger"`` in the config), its profiler and any code
 that wraps ``deepspeed.comm`` see them. flatgrad's reduce_scatters and
 all_to_alls go the same way under DeepSpeed (see [Note: collectives seam] in
-``flatgrad/comm.py``): the tensor form through ``reduce_scatter_fn`` (what
+docs/design.md): the tensor form through ``reduce_scatter_fn`` (what
 stock ZeRO-3 calls), the list form through ``reduce_scatter``, the reduction
 modes through ``all_to_all_single``. The functions are looked up on
 ``deepspeed.comm`` at every call, so a wrapper installed later is seen too.

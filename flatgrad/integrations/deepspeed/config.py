@@ -13,12 +13,13 @@ import os
 import warnings
 from typing import Any, Mapping
 
+from ...reducer import registry
+
 SECTION = "flatgrad"
 SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in docs/design.md exist in 0.19.2+
 
 _COMM_DTYPES = ("fp32", "bf16", "fp16")
 _METHODS = ("auto", "tensor", "list")
-_REDUCTIONS = ("reduce_scatter", "exact", "int8", "fp8", "2d_reduce_scatter", "hier_int8", "hier_fp8", "hier_exact", "qgz_int8", "qgz_fp8")
 
 
 class UnsupportedConfigError(ValueError):
@@ -45,15 +46,9 @@ class FlatgradConfig:
             backward; None (the default) takes as many as stock's IPG buffers: 2 with
             ``zero_optimization.overlap_comm`` (a pack overlaps the previous collective), else 1
             (they serialise, and one bucket of memory is saved).
-        reduction: ZeRO-1/2: ``reduce_scatter`` (the default), ``exact`` (all_to_all of the comm dtype,
-            fixed-order fp32 sum in the unpack), ``int8`` or ``fp8`` (blockwise-quantized all_to_all);
-            see [Note: reduction modes] in ``flatgrad/reducer/modes.py``; or ``2d_reduce_scatter``
-            (reduce_scatter in the node, then over the rail; see [Note: two-stage reductions] in
-            ``flatgrad/reducer/topology.py``), ``hier_int8`` or ``hier_fp8`` (the node stage, then a
-            quantized all_to_all over the rail), ``hier_exact`` (all_to_alls in both stages, fixed-order
-            fp32 sums), ``qgz_int8`` or ``qgz_fp8`` (quantized all_to_alls in both stages). ZeRO-3 refuses
-            the others.
-        block: ``int8``/``fp8``/``hier_int8``/``hier_fp8``: elements per fp32 scale, a power of two in [32, 4096].
+        reduction: a mode of ``flatgrad.reducer.registry.MODES`` (``reduce_scatter`` by default); the
+            registry says which ZeRO stages serve each (docs/design.md, "Reduction modes", has the table).
+        block: the quantized modes (those with a wire kind): elements per fp32 scale, a power of two in [32, 4096].
         error_feedback: the quantized reductions: carry each rank's quantization error into its next step.
         node_size: two-stage reductions: ranks per node; None (the default) takes the launcher's
             ``LOCAL_WORLD_SIZE``, else the world size. It must divide the world size and equal
@@ -109,31 +104,16 @@ class FlatgradConfig:
             raise UnsupportedConfigError(
                 f"'{SECTION}.reduce_scatter_method' must be one of {_METHODS}, got {cfg.reduce_scatter_method!r}"
             )
-        if cfg.reduction not in _REDUCTIONS:
-            raise UnsupportedConfigError(
-                f"'{SECTION}.reduction' must be one of {_REDUCTIONS}, got {cfg.reduction!r}"
-            )
-        from ...kernels import wire
-
         try:
-            wire.check_block(cfg.block, f"'{SECTION}.block'")
-            if cfg.reduction.removeprefix("hier_").removeprefix("qgz_") in wire.KINDS:
-                wire.check_kind(cfg.reduction.removeprefix("hier_").removeprefix("qgz_"), f"'{SECTION}.reduction'")
+            registry.check_options(cfg.reduction, cfg.block, cfg.error_feedback, key=lambda field: f"'{SECTION}.{field}'")
         except ValueError as exc:
             raise UnsupportedConfigError(str(exc)) from exc
-        if not isinstance(cfg.error_feedback, bool):
-            raise UnsupportedConfigError(f"'{SECTION}.error_feedback' must be true or false, got {cfg.error_feedback!r}")
         if cfg.node_size is not None and (
             isinstance(cfg.node_size, bool) or not isinstance(cfg.node_size, int) or cfg.node_size < 1
         ):
             raise UnsupportedConfigError(f"'{SECTION}.node_size' must be a positive int, got {cfg.node_size!r}")
         if not isinstance(cfg.announce, bool):
             raise UnsupportedConfigError(f"'{SECTION}.announce' must be true or false, got {cfg.announce!r}")
-        if cfg.error_feedback and cfg.reduction.removeprefix("hier_").removeprefix("qgz_") not in wire.KINDS:
-            raise UnsupportedConfigError(
-                f"'{SECTION}.error_feedback' needs '{SECTION}.reduction' 'int8', 'fp8', 'hier_*' or 'qgz_*', "
-                f"not {cfg.reduction!r}"
-            )
         return cfg
 
     def torch_comm_dtype(self):

@@ -1,32 +1,20 @@
 """Checkpoints under flatgrad's sub-groups: universal checkpoints are paired with the groups they were split from,
 legacy ones are refused, clearly, when their groups are not flatgrad's; error-feedback residuals travel with them.
 
-[Note: residuals in checkpoints]
-With ``error_feedback`` each rank's reducers hold the quantization error of its
-last send (see [Note: reduction modes]); it is part of training state, like the
-optimizer's moments. The optimizer's ``state_dict`` (one file per rank in a
-DeepSpeed checkpoint) gets one more key, ``RESIDUALS_KEY``: every reducer's
-``BucketReducer.state_dict()``, only when some bucket has a residual, so other
-checkpoints are byte-for-byte what they were and stock DeepSpeed loads them
-all (it reads its own keys only). Loading an optimizer state (``_load_legacy_
-checkpoint``) restores them after stock's load:
-* saved under the same reduction: copied back, so the resumed run equals the
-  uninterrupted one bitwise (tested); a residual of another shape raises,
-  naming the bucket, before anything is copied;
-* saved without residuals (stock, another reduction, or none) while this run
-  feeds errors back: they restart at zero, with a warning naming the key;
-* universal checkpoints are per parameter and carry no residuals: they
-  restart at zero, with the same warning.
+With ``error_feedback`` the reducers' residuals are training state, like the optimizer's moments:
+they go into the optimizer's ``state_dict`` only when there are any, so other checkpoints keep
+stock's layout. See [Note: residuals in checkpoints] in docs/design.md.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
+from ..arenas import OptimizerArenas
 from ..config import UnsupportedConfigError
 
 __all__ = ["RESIDUALS_KEY", "Zero2Checkpoints"]
@@ -35,11 +23,33 @@ RESIDUALS_KEY = "flatgrad_reducers"  # the optimizer state_dict's key: see [Note
 
 
 class Zero2Checkpoints:
-    """The checkpoint savers and loaders of ``Zero2Reduction``."""
+    """The ZeRO-1/2 optimizer's checkpoint saver and loaders, under flatgrad's sub-groups.
+
+    Args:
+        optimizer: DeepSpeed's ``DeepSpeedZeroOptimizer``.
+        reducers: its reducers, whose residuals travel with the checkpoint.
+        arenas: the optimizer arenas, invalidated by a load, or ``None``.
+        stock_state_dict: DeepSpeed's own ``state_dict``, which ``state_dict`` wraps.
+        stock_load_legacy: DeepSpeed's own ``_load_legacy_checkpoint``, which ``load_legacy`` wraps.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        reducers: Sequence[Any],
+        arenas: OptimizerArenas | None,
+        stock_state_dict: Callable[[], dict],
+        stock_load_legacy: Callable[..., Any],
+    ):
+        self.optimizer = optimizer
+        self.reducers = reducers
+        self.arenas = arenas
+        self.stock_state_dict = stock_state_dict
+        self.stock_load_legacy = stock_load_legacy
 
     def state_dict(self) -> dict:
         """Wraps the optimizer's ``state_dict``: stock's, plus the reducers' residuals where there are any."""
-        sd = self._stock_state_dict()
+        sd = self.stock_state_dict()
         states = [r.state_dict() for r in self.reducers]
         if any(t is not None for state in states for t in state["residuals"]):
             sd[RESIDUALS_KEY] = states
@@ -166,7 +176,7 @@ class Zero2Checkpoints:
                     "with 'checkpoint.load_universal'"
                 )
         try:
-            result = self._stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+            result = self.stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
         finally:
             if self.arenas is not None:
                 self.arenas.invalidate()

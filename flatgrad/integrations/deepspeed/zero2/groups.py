@@ -1,21 +1,9 @@
 """The sub-group split: every param group cut, in backward order, into bucket-sized sub-groups before DeepSpeed flattens.
 
-[Note: bucket-aligned sub-groups]
-A ZeRO-1/2 rank owns one contiguous 1/W slice of every param group's flat
-buffer, and gradients arrive in backward order, so a backward bucket of a
-stock group belongs to a few ranks only. flatgrad splits every param group,
-in backward order (reverse registration order), into sub-groups of about
-``bucket_numel`` elements *before* DeepSpeed flattens anything; the sub-groups
-copy their group's hyperparameters and keys (``moe``, ``name``, ...).
-DeepSpeed then flattens each sub-group and gives every rank an equal 1/W of
-it, padded to a multiple of ``W * nccl_start_alignment_factor``: exactly
-``Layout.flat(numels, W, align=nccl_start_alignment_factor)``. Each
-sub-group is one balanced bucket: one fused pack, one reduce_scatter, one
-fused unpack into a partition in DeepSpeed's accumulation dtype (see [Note: accumulation dtype]).
-``install`` checks the layout
-against DeepSpeed's own bookkeeping (flat buffer offsets, ``partition_size``,
-``params_in_partition``, ``first_offset``, insertion offsets) and raises on
-any difference, so a DeepSpeed change can never silently scramble gradients.
+A ZeRO-1/2 rank owns one 1/W slice of each flat param group, and gradients arrive in backward
+order: split in that order before DeepSpeed flattens, every sub-group is one balanced bucket, and
+``install`` checks its layout against DeepSpeed's. See [Note: bucket-aligned sub-groups] in
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -87,7 +75,7 @@ def _rebuild_optimizer(optimizer: Any, groups: list[dict]) -> None:
 
 
 @contextlib.contextmanager
-def prepare(cfg: FlatgradConfig) -> Iterator[None]:
+def prepare(config: FlatgradConfig) -> Iterator[None]:
     """While active, DeepSpeed's ZeRO-1/2 optimizer is built over bucket-sized sub-groups.
 
     The seam is the engine module's ``DeepSpeedZeroOptimizer`` name, which
@@ -106,9 +94,9 @@ def prepare(cfg: FlatgradConfig) -> Iterator[None]:
         )
 
     def build(init_optimizer, param_names, *args, **kwargs):
-        bucket = (
-            cfg.bucket_numel if cfg.bucket_numel is not None else int(kwargs.get("reduce_bucket_size", 500_000_000))
-        )
+        bucket = config.bucket_numel
+        if bucket is None:
+            bucket = int(kwargs.get("reduce_bucket_size", 500_000_000))
         order = {p: k for k, p in enumerate(param_names)}
         if any(getattr(p, "use_muon", False) for g in init_optimizer.param_groups for p in g["params"]):
             raise UnsupportedConfigError(

@@ -1,7 +1,7 @@
 """How DeepSpeed's ZeRO-1/2 partitions lie on flatgrad's layouts: checked once, viewed as step() expects.
 
 Every sub-group's flat buffer and partition must be exactly ``Layout.flat``'s, or
-the run stops before training (see [Note: bucket-aligned sub-groups] in ``groups.py``).
+the run stops before training (see [Note: bucket-aligned sub-groups] in docs/design.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from ....layout import Layout
 
-__all__ = ["agree_on_setup", "arena_positions", "partition_views", "verify_layout", "view_plan"]
+__all__ = ["agree_on_setup", "arena_positions", "host_gradient", "partition_views", "verify_layout", "view_plan"]
 
 
 def verify_layout(optimizer: Any, i: int, layout: Layout, rank: int) -> None:
@@ -49,6 +49,18 @@ def verify_layout(optimizer: Any, i: int, layout: Layout, rank: int) -> None:
             fail(f"insertion offset of param {pc.tensor_index} differs")
         if int(o.grad_start_offset[i][rank][pid]) != pc.tensor_offset:
             fail(f"start offset of param {pc.tensor_index} differs")
+
+
+
+def host_gradient(optimizer: Any, i: int, layout: Layout) -> torch.Tensor:
+    """Sub-group ``i``'s fp32 gradient partition on the host, which the offloaded optimizer reads (stock's own)."""
+    grad = optimizer.single_partition_of_fp32_groups[i].grad
+    if grad is None or grad.numel() != layout.shard_numel:
+        raise RuntimeError(
+            f"flatgrad: sub-group {i} has no host gradient partition of {layout.shard_numel} elements "
+            "(DeepSpeed allocates it under 'zero_optimization.offload_optimizer')"
+        )
+    return grad
 
 
 

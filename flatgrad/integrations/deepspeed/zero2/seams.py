@@ -1,27 +1,19 @@
-"""Where flatgrad enters DeepSpeed's ZeRO-1/2 optimizer: the methods it replaces, checked and bound once.
+"""Where flatgrad enters DeepSpeed's ZeRO-1/2 optimizer: the methods it replaces, checked once, stock's kept, flatgrad's
+bound.
 
-[Note: ZeRO-2 seams]
-DeepSpeed's per-parameter hook calls
-``optimizer.reduce_independent_p_g_buckets_and_remove_grads(param, i)`` and
-the engine's backward epilogue calls
-``optimizer.independent_gradient_partition_epilogue()``; both are looked up
-on the instance at call time, so ``install`` replaces them there (DeepSpeed's
-DeepCompile uses the same seam). At the accumulation boundary the epilogue
-hands ``step()`` each sub-group's partition as
-``averaged_gradients[i]``, a ``GradPartitionBufferGroup`` whose
-``flat_partition`` step() takes as it is (no copy); the per-piece views keep
-the gradient norm, the overflow check and ``safe_get_full_grad`` working
-unchanged. ZeRO-1 reduces once at the boundary through the same seams.
+DeepSpeed looks its per-parameter hook and its backward epilogue up on the optimizer instance at
+call time, so replacing them there is the whole seam; the hand-over to ``step()`` goes through
+``averaged_gradients``. See [Note: ZeRO-2 seams] in docs/design.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..config import FlatgradConfig, UnsupportedConfigError
-from .reduction import Zero2Reduction
+from ..config import UnsupportedConfigError
 
-__all__ = ["SEAMS", "bind", "install"]
+__all__ = ["SEAMS", "Zero2Seams"]
 
 SEAMS = (
     "reduce_independent_p_g_buckets_and_remove_grads",
@@ -43,52 +35,51 @@ SEAMS = (
 )
 
 
+class Zero2Seams:
+    """The seams of one ``DeepSpeedZeroOptimizer``: stock's methods kept where flatgrad's wrap them or fall back on
+    them, and ``bind``, which puts flatgrad's in their place.
 
-def bind(reduction: Zero2Reduction) -> None:
-    """Replace DeepSpeed's methods on the optimizer instance with ``reduction``'s, keeping stock's where it wraps them."""
-    self = reduction
-    o = self.optimizer
-    self._stock_load_legacy = o._load_legacy_checkpoint
-    o._load_legacy_checkpoint = self.load_legacy
-    self._stock_state_dict = o.state_dict
-    o.state_dict = self.state_dict
-    self._stock_step = o.step
-    o.step = self.step
-    o.reduce_independent_p_g_buckets_and_remove_grads = self.grad_ready
-    o.independent_gradient_partition_epilogue = self.epilogue
-    o.finalize_gradient_accumulation_boundary = self.finalize
-    o.setup_buckets = self.setup_buckets
-    o.load_hp_checkpoint_state_from_checkpoint_dir = self.load_universal
-    o.scaled_global_norm = self.scaled_global_norm
-    self._stock_has_overflow = o.has_overflow
-    o.has_overflow = self.has_overflow
-    self._stock_update_overflow_tracker = o.update_offload_overflow_tracker
-    o.update_offload_overflow_tracker = self._grad_edited
-    for group in o.bit16_groups:  # as DeepSpeed links them under offload: set_full_hp_grad then tells us
-        for lp in group:
-            if getattr(lp, "_hp_mapping", None) is not None:
-                lp._zero_optimizer = o
-    o._release_ipg_buffers()
-    o._flatgrad = self
+    Raises ``UnsupportedConfigError`` unless ``optimizer`` is DeepSpeed's ZeRO-1/2 optimizer with every seam.
 
+    Attributes:
+        stock_step, stock_state_dict, stock_load_legacy, stock_has_overflow, stock_update_overflow_tracker:
+            DeepSpeed's ``step``, ``state_dict``, ``_load_legacy_checkpoint``, ``has_overflow`` and
+            ``update_offload_overflow_tracker``, as they were before ``bind``.
+    """
 
-def install(engine: Any, cfg: FlatgradConfig) -> Zero2Reduction:
-    """Install flatgrad's reduce path into a ZeRO-1/2 engine built under ``prepare``."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    def __init__(self, optimizer: Any):
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    o = engine.optimizer
-    if type(o) is not DeepSpeedZeroOptimizer:
-        raise UnsupportedConfigError(
-            f"flatgrad's ZeRO-1/2 backend needs DeepSpeed's DeepSpeedZeroOptimizer, the engine built {type(o).__name__}"
-        )
-    missing = [name for name in SEAMS if not hasattr(o, name)]
-    if missing:
-        from ..config import deepspeed_version
+        o = optimizer
+        if type(o) is not DeepSpeedZeroOptimizer:
+            raise UnsupportedConfigError(
+                "flatgrad's ZeRO-1/2 backend needs DeepSpeed's DeepSpeedZeroOptimizer, "
+                f"the engine built {type(o).__name__}"
+            )
+        missing = [name for name in SEAMS if not hasattr(o, name)]
+        if missing:
+            from ..config import deepspeed_version
 
-        raise UnsupportedConfigError(
-            f"DeepSpeed {'.'.join(map(str, deepspeed_version()))} lacks the ZeRO-1/2 seams {missing} flatgrad replaces"
-        )
-    reduction = Zero2Reduction(o, cfg)
-    bind(reduction)
-    return reduction
+            raise UnsupportedConfigError(
+                f"DeepSpeed {'.'.join(map(str, deepspeed_version()))} lacks the ZeRO-1/2 seams {missing} "
+                "flatgrad replaces"
+            )
+        self.optimizer = o
+        self.stock_step = o.step
+        self.stock_state_dict = o.state_dict
+        self.stock_load_legacy = o._load_legacy_checkpoint
+        self.stock_has_overflow = o.has_overflow
+        self.stock_update_overflow_tracker = o.update_offload_overflow_tracker
 
+    def bind(self, replacements: Mapping[str, Callable[..., Any]], adapter: Any) -> None:
+        """Replace each method named in ``replacements`` on the optimizer instance, and make ``adapter`` reachable
+        as ``optimizer.flatgrad``."""
+        o = self.optimizer
+        for name, method in replacements.items():
+            setattr(o, name, method)
+        for group in o.bit16_groups:  # as DeepSpeed links them under offload: set_full_hp_grad then tells us
+            for lp in group:
+                if getattr(lp, "_hp_mapping", None) is not None:
+                    lp._zero_optimizer = o
+        o._release_ipg_buffers()
+        o.flatgrad = adapter

@@ -1,55 +1,48 @@
 """The ZeRO-1/2 step: stock's update, its per-group loop merged over the sub-groups.
 
-[Note: ZeRO-2 step]
-Stock's ``step()`` loops over param groups: per group it builds the fp32
-gradient, clips it, calls the optimizer, copies the fp32 partition into the
-bit16 one, and all_gathers it. Over bucket-sized sub-groups that is one
-optimizer call per sub-group, so the step's cost grew with their number
-(``bench/step_sweep.py``: 41x the one-sub-group time at 400 before this).
-flatgrad's ``step`` runs the same sequence with the loop merged: the norm and
-overflow from the unpack stats (see [Note: ZeRO-2 step statistics]), one
-combined scale applied to every gradient as stock applies it per group, one
-``optimizer.step()``, one multi-tensor copy into the bit16 partitions, then
-the all_gathers and stock's bookkeeping. With an elementwise optimizer (Adam,
-AdamW, SGD) under ZeRO-2 the optimizer sees stock's shape: one tensor per run
-of sub-groups of equal settings, over arenas (see [Note: optimizer arenas]
-in ``arenas.py``); otherwise one multi-tensor update over sub-groups merged
-by equal hyperparameters. The arithmetic is stock's, so training is
-unchanged (bitwise on 2 ranks in fp32, tested). The partitions are released
-right after the update, before the all_gathers, as stock frees its gradients
-there. The parameter all_gathers of all sub-groups of a process group go out
-as coalesced groups (a ``flatgrad.comm.AllGatherPlan``, planned once): on
-NCCL one group with no copies; on gloo one combined gather that stages the
-gathered bytes once, as stock's one call per param group stages its group's
-flat (see [Note: coalesced all_gather] in ``flatgrad/comm.py``; gloo's own
-coalesced form staged (1 + 1/W) times the bytes and copied every buffer one
-call at a time). A launch holds at most ``allgather_bucket_size`` elements,
-DeepSpeed's own bound on a gather (its chunked all_gather path), packed first
-fit largest first: with DeepSpeed's default (5e8), one launch per step for
-models up to 500M elements, as stock. What is left per sub-group is host
-work: checks over lists at C speed (the partitions still handed over, flats
-and params not moved, a settings tuple compared with the run's first), one
-row of the stats, and the Python objects DeepSpeed's bookkeeping keeps per
-sub-group (a partition's per-parameter views, made at the hand-over and
-dropped at the release): about 5 us of CPU per sub-group on this 2-core machine
-(timed per phase, 100 against 1 sub-group).
+Over bucket-sized sub-groups stock's loop makes one optimizer call and one all_gather per
+sub-group; merged, the step's calls do not grow with their number. See [Note: ZeRO-2 step] in
+docs/design.md.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .... import comm
 from ..arenas import same_settings
+from .context import Zero2Context
+from .window import Zero2Window
 
 __all__ = ["Zero2Step", "unscale_and_clip_"]
 
 
 class Zero2Step:
-    """The step half of ``Zero2Reduction``: ``step`` and what it calls. See [Note: ZeRO-2 step]."""
+    """The ZeRO-1/2 step: ``step`` and what it calls. See [Note: ZeRO-2 step].
+
+    Args:
+        context: the reduction's fixed facts.
+        window: the window whose partitions ``step`` consumes and releases.
+        stock_step: DeepSpeed's own ``step``, for a step with no hand-over to consume.
+    """
+
+    def __init__(self, context: Zero2Context, window: Zero2Window, stock_step: Callable[..., Any]):
+        self.context = context
+        self.window = window
+        self.stock_step = stock_step
+        self.bit16_params = [p for group in context.optimizer.bit16_groups for p in group]
+        # On gloo the step's gather copies every chunk anyway: it takes this rank's bit16 partitions
+        # straight from the master arena (one cast), instead of a copy per sub-group first.
+        self.gather_from_arenas = context.arenas is not None and all(
+            comm.backend_name(r.process_group, context.comm_device) == "gloo" for r in context.reducers
+        )
+        self._gather_plan: list[tuple[comm.AllGatherPlan, list[int]]] | None = None
+        self._bit16_viewed = [False] * len(context.layouts)
+        self._bit16_checks: tuple[list, list, list] | None = None
+        self._bit16_copy_lists: tuple[list, list] | None = None
 
     def step(self, closure: Any = None) -> None:
         """Replaces ``step``: stock's update in one optimizer call for all sub-groups, then release the partitions.
@@ -57,17 +50,17 @@ class Zero2Step:
         See [Note: ZeRO-2 step]. Without a hand-over to consume (a step with no
         backward) it is stock's step.
         """
-        if self.partitions is None or not self._handed_over():
-            if self.arenas is not None:
-                self.arenas.unshare()
-            result = self._stock_step(closure)
-            self.release()
+        if not self.window.handed_over():
+            if self.context.arenas is not None:
+                self.context.arenas.unshare()
+            result = self.stock_step(closure)
+            self.window.release()
             return result
         try:
             self._step()
         finally:
-            if self.partitions is not None:  # _step releases them before its all_gathers, unless it stopped early
-                self.release()
+            if self.window.partitions is not None:  # _step releases them before its all_gathers, unless it stops early
+                self.window.release()
         return None
 
     def _step(self) -> None:
@@ -81,7 +74,8 @@ class Zero2Step:
             OPTIMIZER_TIMERS,
         )
 
-        o = self.optimizer
+        c = self.context
+        o = c.optimizer
         o.micro_step_id = INITIAL_MICRO_STEP_ID
         if not o.compute_grad_norm:
             o._global_grad_norm = None
@@ -100,7 +94,7 @@ class Zero2Step:
                 o._global_grad_norm = float("inf")
             o.zero_grad(set_to_none=True)
             o._release_preflattened_grad_buffers()
-            if self.offload:
+            if c.offload:
                 o.reset_cpu_buffers()  # stock's: the offload norms and overflow flag start again
             for k in o.averaged_gradients.keys():
                 o.averaged_gradients[k] = None
@@ -114,7 +108,7 @@ class Zero2Step:
             o._global_grad_norm = norm / prev_scale
 
         o.timers(OPTIMIZER_GRADIENTS_TIMER).start()
-        arenas = self.arenas if self.arenas is not None and self.arenas.usable() else None
+        arenas = c.arenas if c.arenas is not None and c.arenas.usable() else None
         arena_grads = self._arena_grads() if arenas is not None else None
         grads = arena_grads if arena_grads is not None else self._sub_group_grads()
         unscale_and_clip_(grads, norm, o.clip_grad, o.loss_scale)
@@ -123,42 +117,46 @@ class Zero2Step:
         o.timers(OPTIMIZER_STEP_TIMER).start()
         stepped = arena_grads is not None and arenas.step(arena_grads)
         if not stepped:
-            if self.arenas is not None:  # a step past the arenas counts scalars per sub-group: [Note: optimizer arenas]
-                self.arenas.unshare()
+            if c.arenas is not None:  # a step past the arenas counts scalars per sub-group: [Note: optimizer arenas]
+                c.arenas.unshare()
             if arena_grads is not None:
                 for k, order in enumerate(arenas.orders):
                     for i, start, stop in zip(order, arenas.offsets[k], arenas.offsets[k][1:]):
                         o.single_partition_of_fp32_groups[i].grad = arena_grads[k].narrow(0, start, stop - start)
             self._optimizer_step_all()
         o._lazy_init_hp_params_optimizer_state()
-        del grads, arena_grads  # the partitions go with self.release() below, as stock frees its gradients there
-        if not stepped and not self.offload:  # the arenas set no .grad; offload keeps its host partitions there
+        del grads, arena_grads  # the partitions go with the release below, as stock frees its gradients there
+        if not stepped and not c.offload:  # the arenas set no .grad; offload keeps its host partitions there
             for part in o.single_partition_of_fp32_groups:
                 part.grad = None
-        if self._gather_from_arenas:  # the gather writes the bit16 partitions: see [Note: ZeRO-2 step]
+        if self.gather_from_arenas:  # the gather writes the bit16 partitions: see [Note: ZeRO-2 step]
             if not stepped:  # arenas.step() checked them already
-                self.arenas.check_masters()
+                c.arenas.check_masters()
         else:
             self._copy_to_bit16()
-        self.release()  # the partitions are consumed: free them before the all_gather, as stock frees its grads
-        if self.offload:
+        self.window.release()  # the partitions are consumed: free them before the all_gather, as stock frees its grads
+        if c.offload:
             o.reset_cpu_buffers()  # stock's, after its offload update: the norms and the overflow flag start again
         o.timers(OPTIMIZER_STEP_TIMER).stop()
 
         o.timers(OPTIMIZER_ALLGATHER_TIMER).start()
         for k, gather in enumerate(self._gathers()):  # see [Note: ZeRO-2 step]
-            if self._gather_from_arenas:
+            if self.gather_from_arenas:
                 with torch.no_grad():
-                    gather(self.arenas.masters[k].to(o.bit16_groups_flat[self.arenas.orders[k][0]].dtype))
+                    gather(c.arenas.masters[k].to(o.bit16_groups_flat[c.arenas.orders[k][0]].dtype))
             else:
                 gather()
         o.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
         self._update_bit16_views()
         o.timers.log(OPTIMIZER_TIMERS)
 
+    def metadata_bytes(self) -> int:
+        """Bytes the step keeps between steps: the gather plans' copy tables (gloo)."""
+        return sum(plan.table_bytes for plan, _ in self._gather_plan or ())
+
     def _sub_group_grads(self) -> list[torch.Tensor]:
         """Stock's per-group gradient hand-over: each sub-group's partition in fp32 as its master's ``.grad``."""
-        o = self.optimizer
+        o = self.context.optimizer
         grads = []
         for i in range(len(o.bit16_groups)):
             o.free_grad_in_param_list(o.params_not_in_partition[i])
@@ -181,19 +179,19 @@ class Zero2Step:
         ``None`` when a reducer holds no arena (the partitions were not its shards).
         See [Note: optimizer arenas].
         """
-        o = self.optimizer
-        arenas = [r.shard_arena for r in self.reducers]
+        o = self.context.optimizer
+        arenas = [r.shard_arena for r in self.context.reducers]
         if any(a is None for a in arenas):
             return None
         grads = []
-        for arena, master in zip(arenas, self.arenas.masters):
+        for arena, master in zip(arenas, self.context.arenas.masters):
             if arena.numel() != master.numel():
                 raise RuntimeError(f"flatgrad: a gradient arena has {arena.numel()} elements, its master {master.numel()}")
             grads.append(arena.to(master.dtype))
-        o.free_grad_in_param_list(self._bit16_params)
+        o.free_grad_in_param_list(self.bit16_params)
         # Every partition is flatgrad's (step() checked): none has DeepSpeed's preflattened buffers to release.
-        o.averaged_gradients.update(dict.fromkeys(range(len(self.layouts))))
-        o.all_grad_tensors.update(dict.fromkeys(range(len(self.layouts))))
+        o.averaged_gradients.update(dict.fromkeys(range(len(self.context.slots))))
+        o.all_grad_tensors.update(dict.fromkeys(range(len(self.context.slots))))
         return grads
 
     def _update_bit16_views(self) -> None:
@@ -205,7 +203,7 @@ class Zero2Step:
         repeats itself; it runs again for a sub-group whose flat or whose first or
         last param moved (a checkpoint load, a user's ``p.data = ...``).
         """
-        o = self.optimizer
+        o = self.context.optimizer
         checked = self._bit16_checks
         if (checked is not None and len(checked[0]) == len(o.bit16_groups_flat)
                 and all(map(operator.is_, o.bit16_groups_flat, checked[0]))
@@ -232,20 +230,21 @@ class Zero2Step:
         temporary and no blocking copy per sub-group.
         """
         bit16, masters = self._bit16_copies()
-        if not self.offload:
+        if not self.context.offload:
             torch._foreach_copy_(bit16, masters)
             return
-        staging = self.optimizer.param_buffer_of_bit16_for_cpu_offload_groups
+        staging = self.context.optimizer.param_buffer_of_bit16_for_cpu_offload_groups
         torch._foreach_copy_(staging, masters)
         torch._foreach_copy_(bit16, staging, non_blocking=True)
 
     def _bit16_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's bit16 partition of every sub-group and its fp32 master, listed once (again if a flat moved)."""
-        o = self.optimizer
+        o = self.context.optimizer
         cached = self._bit16_copy_lists
         flats = o.bit16_groups_flat
         if cached is None or len(cached[0]) != len(flats) or not all(map(operator.is_, flats, cached[0])):
-            bit16 = [o.parallel_partitioned_bit16_groups[i][reducer.rank] for i, (reducer, _) in enumerate(self._slot)]
+            partitioned = o.parallel_partitioned_bit16_groups
+            bit16 = [partitioned[i][reducer.rank] for i, (reducer, _) in enumerate(self.context.slots)]
             cached = self._bit16_copy_lists = (list(flats), bit16)
         return cached[1], o.single_partition_of_fp32_groups
 
@@ -257,15 +256,15 @@ class Zero2Step:
         ``allgather_bucket_size`` elements, the bound DeepSpeed's own chunked
         all_gather keeps. See [Note: ZeRO-2 step].
         """
-        o = self.optimizer
+        o = self.context.optimizer
         flats = o.bit16_groups_flat
         if self._gather_plan is not None and all(
             all(map(operator.is_, map(flats.__getitem__, indices), plan.buffers)) for plan, indices in self._gather_plan
         ):
             return [plan for plan, _ in self._gather_plan]
         plans = []
-        for reducer in self.reducers:
-            indices = sorted(i for i, (r, _) in enumerate(self._slot) if r is reducer)
+        for reducer in self.context.reducers:
+            indices = [i for i, (r, _) in enumerate(self.context.slots) if r is reducer]
             batch_numel = None
             if comm.backend_name(reducer.process_group, flats[indices[0]].device) != "nccl":
                 batch_numel = max(1, int(o.allgather_bucket_size))
@@ -291,7 +290,7 @@ class Zero2Step:
         sub-group here; the multi-tensor kernels compute the same update (bitwise
         against stock, tested). A ``foreach`` the user set is left as it is.
         """
-        o = self.optimizer
+        o = self.context.optimizer
         groups = o.optimizer.param_groups
         merged: list[dict] = []
         members: list[list[dict]] = []

@@ -1,24 +1,8 @@
 """ZeRO-1/2's clipping norm computed as stock DeepSpeed computes it, over flatgrad's sub-group partitions.
 
-[Note: stock clipping norm]
-The clip factor divides every gradient by the norm: a norm 1 ulp off moves
-them all by 1 ulp, which Adam turns into parameter differences. Stock's norm
-per param group: on each rank one fp64 norm per piece of its partition of the
-unsplit group, squared and summed in fp64, cast to fp32, summed over the ranks
-by an all_reduce, rooted in fp32; then ``combine_grad_norm_groups``. Another
-flatgrad rank may hold part of stock's partition of rank ``r``, so
-``StockNorm`` plans once where stock's pieces lie in this rank's partitions and
-sums their squared fp64 norms per (group, stock rank); one fp64 all_reduce
-completes them (equal to stock's after the fp32 cast). Up to 2 ranks the fp32
-sum over ranks is order-free; above, it is stock's own all_reduce, one per
-param group. Under optimizer offload stock sums the same fp64 squares per rank
-(``complete_grad_norm_calculation_for_cpu_offload``: one fp64 norm per
-parameter piece, squared and summed in Python floats), casts to fp32, all_reduces,
-and roots the fp32 sum in double precision before rounding it to fp32; torch's
-fp32 ``pow(0.5)`` is not the correctly rounded root, so the two paths differ by an
-ulp now and then, and ``host_root`` takes the offload one (``sqrt`` in fp64, then
-the cast: the correctly rounded root of the same value). Unclipped, the norm is
-only reported: the unpack's stats give it.
+The clip factor divides every gradient by the norm, so a norm 1 ulp off moves them all: a norm
+that clips is summed as stock sums it, per piece of stock's own partitions. See [Note: stock
+clipping norm] in docs/design.md.
 """
 
 from __future__ import annotations
