@@ -1,9 +1,6 @@
-"""Calls and bytes per stage of the two-stage reductions on gloo ranks as simulated nodes, beside ``flatgrad plan``.
+"""Calls and bytes per stage of the two-stage reductions on real gloo ranks, beside what ``flatgrad plan`` models.
 
-The measurement lives in ``flatgrad/bench/hierarchical.py``; see its docstring. Examples::
-
-    python bench/hierarchical.py
-    python bench/hierarchical.py --out hier.json
+The entry point of ``flatgrad/bench/hierarchical.py``, whose docstring says what it measures and how.
 """
 
 from flatgrad.bench.hierarchical import main

@@ -1,11 +1,6 @@
-"""Pack / unpack throughput of flatgrad against its baselines (the same as ``flatgrad bench``).
+"""Pack / unpack throughput: flatgrad's fused kernels against the copies they replace.
 
-The measurement lives in ``flatgrad/bench/pack_unpack.py`` so that the installed
-``flatgrad bench`` command runs it too; see its docstring for the rows, the
-byte counts and the timing. Examples::
-
-    python bench/pack_unpack.py --out results.json --plot chart.png
-    python bench/pack_unpack.py --quick
+The entry point of ``flatgrad/bench/pack_unpack.py``, whose docstring says what it measures and how.
 """
 
 from flatgrad.bench.pack_unpack import main

@@ -1,13 +1,9 @@
-"""How close is the fused W-source unpack to a plain copy? (see ``flatgrad/bench/wire_unpack.py``)
+"""How close is the fused W-source unpack of the reduction modes to a plain copy?
 
-    python bench/wire_unpack.py --numel 4194304 --world 4 --threads 1
+The entry point of ``flatgrad/bench/wire_unpack.py``, whose docstring says what it measures and how.
 """
-
-from __future__ import annotations
-
-import sys
 
 from flatgrad.bench.wire_unpack import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pathlib
 import re
 
-import pytest
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 _DESIGN = _REPO / "docs" / "design.md"
@@ -18,13 +17,6 @@ _SELF = pathlib.Path(__file__).resolve()
 
 _CODE_DIRS = ("flatgrad", "bench", "tests", "csrc")
 _TEXT_SUFFIXES = {".py", ".pyi", ".cpp", ".cu", ".cuh", ".h", ".hpp", ".sh", ".md", ".toml", ".txt"}
-
-# files whose notes move in the same change
-_NOT_YET_MOVED = {
-    "bench/reducer_step.py",
-    "flatgrad/bench/pack_unpack.py",
-    "flatgrad/comm.py",
-}
 
 _HEADING = re.compile(r"^### \[Note: ([^\]\n]+)\]\s*$", re.M)
 # A reference may wrap: the name's words are then split by a newline and, in a comment, its leader.
@@ -104,20 +96,12 @@ def test_no_code_file_holds_a_note_block():
     written_twice = [
         f"{_rel(path)}: [Note: {name}]"
         for path in _code_files()
-        if _rel(path) not in _NOT_YET_MOVED
         for name in _blocks(path)
     ]
     assert not written_twice, (
         "note blocks in code (move the note into its docs/design.md section and leave a few lines ending "
         '"See [Note: name] in docs/design.md."):\n' + "\n".join(written_twice)
     )
-
-
-@pytest.mark.parametrize("path", sorted(_NOT_YET_MOVED))
-def test_every_skipped_file_still_holds_a_block(path: str):
-    """The skip list names only files that still hold a note block; empty it as their notes move."""
-    assert (_REPO / path).is_file(), f"{path} is in _NOT_YET_MOVED but does not exist"
-    assert _blocks(_REPO / path), f"{path} holds no note block any more: remove it from _NOT_YET_MOVED"
 
 
 def test_the_block_pattern_finds_blocks_and_not_references():

@@ -2,7 +2,7 @@
 
 The question: how close do ``flatgrad.pack`` and ``flatgrad.unpack`` come to one
 contiguous copy of the same bytes, and how much faster are they than what
-DeepSpeed and PyTorch do today? Every figure is measured in the same process,
+DeepSpeed and PyTorch do? Every figure is measured in the same process,
 on the same tensors, next to its baselines.
 
 Buckets:
@@ -56,30 +56,17 @@ Unpack rows (rank 0's shard; rank 0 owns a piece of every tensor in the chunked 
   elements (12 bytes an element). On CPU torch's mixed-dtype ``add_`` in (d)
   runs well below memory speed, and this row shows by how much.
 
-[Note: bench bytes and ratios]
-GB/s counts bytes read plus bytes written by the operation: a pack reads the
-unpadded tensors and writes the whole padded buffer; an accumulate-unpack reads
-the shard's real pieces and reads and writes the fp32 output. The roofline
-counts its own bytes the same way. ``x(d)`` and ``x(a)`` are GB/s ratios to
-(d) and (a) of the same bucket, case and device, from median times; ``x(d)*``
-and ``x(a)*`` the same from min times. The JSON rows also carry
-``x_chunk_cat_median`` / ``_min``, the ratio to (c) (``None`` for unpack,
-which has no (c) row).
+GB/s counts bytes read plus bytes written; ``x(d)`` and ``x(a)`` are ratios to
+rows (d) and (a). See [Note: bench bytes and ratios] in docs/design.md.
 
-[Note: bench timing]
-Every row of a (bucket, case, device) group is prepared first and checked
-once against the ``torch`` reference, so no row times a wrong result. Then
-``_harness.time_round_robin`` warms every row up (this also builds and caches
-flatgrad's run tables) and times the rows in turns, so that load from other
-processes on a shared machine falls on every row alike; one untimed call right
-before each timed one gives every timed call the same (warm) cache state,
-whichever row ran before it. CPU calls
-are timed with ``time.perf_counter``. On CUDA one timing is
-``_harness.CALLS_PER_TIMING`` calls between two CUDA events, queued behind a
-sleep calibrated to outlast the host's enqueueing, so the events measure the
-kernels back to back, not the host's Python overhead; a time is that span over
-the number of calls. The machine's 1-minute load average is recorded beside
-the figures.
+Every row is checked against the ``torch`` reference first, then the rows are
+timed in turns (``_harness.time_round_robin``), CUDA ones between CUDA events.
+See [Note: bench timing] in docs/design.md.
+
+``flatgrad bench`` runs this module; so does its entry point, ``bench/pack_unpack.py``::
+
+    python bench/pack_unpack.py --out results.json --plot chart.png
+    python bench/pack_unpack.py --quick
 """
 
 from __future__ import annotations
@@ -902,7 +889,7 @@ def write_plot(doc: dict, path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options, shared by ``flatgrad bench`` and ``bench/pack_unpack.py``."""
-    parser.add_argument("--quick", action="store_true", help="small buckets and few repeats (CI, < 30 s on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="small buckets and few repeats (CI)")
     parser.add_argument("--world-size", type=int, default=8, help="W, ranks the layouts are built for (default 8)")
     parser.add_argument("--repeats", type=int, help="timed calls per row (default 20; --quick: 3)")
     parser.add_argument(

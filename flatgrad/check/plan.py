@@ -12,8 +12,8 @@ from typing import Sequence
 __all__ = ["BUDGET", "BUDGET_S", "CHECKOUT_ONLY", "Context", "Step", "budget_table", "plan", "build_key", "pytest_step"]
 
 # Seconds each step may take by default, in running order; ``--quick`` halves them. Sized for one H200, a
-# cold build and cold ranks (a spawned rank that imports torch and DeepSpeed and makes its NCCL group takes
-# 25-40 s before its first step), so that the whole default run fits in 8 minutes: the sum is at most
+# cold build and cold ranks (a spawned rank imports torch and DeepSpeed and makes its NCCL group before its
+# first step), so that the whole default run fits in 8 minutes: the sum is at most
 # ``BUDGET_S`` (``tests/test_gpu_check.py`` holds it to that). Ordered by what a run cut short must not miss:
 # the build, the kernels against the reference, ZeRO offload against stock, the reducer's stream order,
 # the wire kernels, the ZeRO-2/3 steps, then the checkout's GPU tests and throughput.

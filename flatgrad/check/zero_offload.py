@@ -4,7 +4,7 @@ One rank (NCCL on ``--device cuda``, gloo on ``--device cpu``), spawned once: im
 group are paid once, and the engines are built one after another in it. Each config trains stock
 (``deepspeed.initialize``) and flatgrad (``flatgrad.deepspeed.initialize``) from the same weights on the
 same batches, 3 steps of ``gradient_accumulation_steps: 2``, torch's AdamW on the host partitions
-(``torch_adam``; DeepSpeed's CPU Adam would compile for minutes):
+(``torch_adam``; DeepSpeed's CPU Adam would have to be compiled first):
 
 * ZeRO-2, ``offload_optimizer: {device: cpu, pin_memory: true}`` and ``pin_memory: false``, with
   ``gradient_clipping: 1.0``, on a dense model (``flatgrad.demo.setups.DENSE``) and on the seed MoE

@@ -13,9 +13,9 @@ same batches, one rank per visible GPU over NCCL:
   ZeRO-3 model (DeepSpeed 0.19 refuses its MoE under ZeRO-3).
 
 The ranks are spawned once and build the setups' engines one after another
-(imports and the process group are paid once: a cold rank takes 25-40 s before
-its first step). Before each setup the previous engine is destroyed and the
-cache emptied; the memory figures count what is allocated above what was left
+(imports and the process group are paid once, before the first step). Before
+each setup the previous engine is destroyed and the cache emptied; the memory
+figures count what is allocated above what was left
 before the setup (peak stats are reset there; the figure covers building the
 engine and the steps). Reported per setup: the losses of every step and rank,
 the memory allocated once the engine is built (model and optimizer states), the
