@@ -96,3 +96,14 @@ def test_unknown_modes_and_options_name_their_key():
         FlatgradConfig.from_dict({"reduction": "int8", "block": 100})
     with pytest.raises(ValueError, match="error_feedback must be True or False"):
         ReducerConfig(reduction="int8", error_feedback=1)
+
+
+@pytest.mark.parametrize("bench", ["reduction_modes", "reduction_error", "hierarchical"])
+def test_every_mode_bench_covers_every_registered_mode(bench):
+    """A new mode is benched as soon as it is registered: each mode table names registered modes only, all of them."""
+    import importlib
+
+    table = importlib.import_module(f"flatgrad.bench.{bench}").MODES
+    rows = table.values() if isinstance(table, dict) else [{"reduction": name} for name in table]
+    named = [row.get("reduction", "reduce_scatter") for row in rows]
+    assert set(named) == set(registry.names()), sorted(set(registry.names()) ^ set(named))

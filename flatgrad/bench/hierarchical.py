@@ -45,14 +45,14 @@ from torch import nn
 from ..kernels import DTYPE_NAMES
 from ..planner.cost import FLAT_MODES, CostModel, reduction_call, reduction_calls
 from ..planner.schedule import Collective
-from ..reducer import BucketReducer
+from ..reducer import BucketReducer, registry
 from ..testing.collectives import Call, CollectiveRecorder, sent_bytes
 from ..testing.launch import run_ranks
 
 __all__ = ["CONFIGS", "MODES", "measure", "format_table", "main"]
 
 CONFIGS = ((4, 2), (8, 4), (8, 2))  # (world size, node size)
-MODES = ("reduce_scatter", "int8", "2d_reduce_scatter", "hier_int8", "hier_exact", "qgz_int8")
+MODES = registry.names()  # every mode: its counted calls and bytes against the plan
 NUMELS = (3 * 4096, 4096, 1000, 50_000, 7, 30_000, 2048)  # odd sizes: params straddle the segments
 BUCKETS = ((0, 1, 2), (3, 4), (5, 6))
 

@@ -67,6 +67,8 @@ MODES = {
     "hier_exact": {"comm_dtype": "bf16", "reduction": "hier_exact"},
     "qgz_int8": {"comm_dtype": "bf16", "reduction": "qgz_int8"},
     "qgz_int8_ef": {"comm_dtype": "bf16", "reduction": "qgz_int8", "error_feedback": True},
+    "hier_fp8_ef": {"comm_dtype": "bf16", "reduction": "hier_fp8", "error_feedback": True},
+    "qgz_fp8_ef": {"comm_dtype": "bf16", "reduction": "qgz_fp8", "error_feedback": True},
     # The noise floor: fp32 communication again, from a slightly different start.
     "fp32_perturbed": {"comm_dtype": "fp32"},
     "fp32_seed1": {"comm_dtype": "fp32"},
