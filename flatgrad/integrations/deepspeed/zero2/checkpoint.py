@@ -1,5 +1,10 @@
 """Checkpoints under flatgrad's sub-groups: universal checkpoints are paired with the groups they were split from,
-legacy ones are refused, clearly, when their groups are not flatgrad's; error-feedback residuals travel with them.
+stock ZeRO-1/2 ones are re-partitioned into the sub-groups, others are refused, clearly, before anything is loaded;
+error-feedback residuals travel with them.
+
+Before the engine loads anything, every rank reads and checks its own optimizer shard, and the
+ranks agree: a bad shard on one rank raises on every rank, naming the file, with the engine's state
+untouched. See [Note: stock checkpoints under flatgrad] in docs/design.md.
 
 With ``error_feedback`` the reducers' residuals are training state, like the optimizer's moments:
 they go into the optimizer's ``state_dict`` only when there are any, so other checkpoints keep
@@ -8,16 +13,21 @@ stock's layout. See [Note: residuals in checkpoints] in docs/design.md.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
 
 import torch
 
 from ..arenas import OptimizerArenas
 from ..config import UnsupportedConfigError
+from .stock_checkpoint import STOCK, CheckpointLoadError, classify, repartition, world_size_error
 
-__all__ = ["RESIDUALS_KEY", "Zero2Checkpoints"]
+__all__ = ["RESIDUALS_KEY", "CheckpointLoadError", "Zero2Checkpoints"]
 
 RESIDUALS_KEY = "flatgrad_reducers"  # the optimizer state_dict's key: see [Note: residuals in checkpoints]
 
@@ -46,6 +56,7 @@ class Zero2Checkpoints:
         self.arenas = arenas
         self.stock_state_dict = stock_state_dict
         self.stock_load_legacy = stock_load_legacy
+        self._checked: str | None = None  # the shard ``load_checkpoint`` checked for the coming ``load_legacy``
 
     def state_dict(self) -> dict:
         """Wraps the optimizer's ``state_dict``: stock's, plus the reducers' residuals where there are any."""
@@ -148,33 +159,134 @@ class Zero2Checkpoints:
             self.arenas.invalidate()
         self._restore_residuals(None, "universal checkpoint")
 
+    def attach(self, engine: Any) -> None:
+        """Wrap ``engine.load_checkpoint``: every rank's optimizer shard is read and checked, and the ranks agree,
+        before stock's load touches the engine; stock then loads the shard read here, not a second copy."""
+        stock = engine.load_checkpoint
+        signature = inspect.signature(stock)
+
+        @functools.wraps(stock)
+        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            a = signature.bind(*args, **kwargs)
+            a.apply_defaults()
+            a = a.arguments
+            tag = a["tag"]
+            if tag is None:
+                latest = os.path.join(a["load_dir"], "latest")
+                if os.path.isfile(latest):
+                    with open(latest) as f:
+                        tag = f.read().strip()
+            if (
+                tag is None or not a["load_optimizer_states"] or a["load_module_only"]
+                or engine.load_universal_checkpoint() or engine.zero_nvme_offload_optimizer()
+            ):  # fmt: skip
+                return stock(*args, **kwargs)
+            state = self._read_own_shard(engine, a["load_dir"], tag)
+            with self._serving(engine, state):
+                return stock(*args, **kwargs)
+
+        engine.load_checkpoint = load_checkpoint
+
+    def _read_own_shard(self, engine: Any, load_dir: str, tag: Any) -> dict:
+        """This rank's optimizer shard, read and checked; raise on every rank if any rank's is not loadable."""
+        import glob
+
+        import deepspeed.comm as dist
+        from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+        o = self.optimizer
+        group = o.dp_process_group
+        rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+        folder = os.path.join(load_dir, str(tag))
+
+        def shard(dp_rank: int) -> str:
+            name = engine._get_rank_zero_ckpt_name(
+                load_dir, tag, engine.checkpoint_mp_rank, dp_rank, engine.bfloat16_enabled()
+            )
+            old = name.replace("_optim_states.pt", "optim_states.pt")  # DeepSpeed's older name, which it also reads
+            return old if not os.path.exists(name) and os.path.exists(old) else name
+
+        path, state, kind, error = shard(rank), None, None, None
+        try:
+            layers = sorted(glob.glob(os.path.join(folder, "layer_*-model_states.pt")))
+            if layers:
+                raise UnsupportedConfigError(
+                    f"{folder} was saved by a pipeline engine ({os.path.basename(layers[0])}): its ZeRO shards hold "
+                    "one pipeline stage's parameters each, and flatgrad's ZeRO-1/2 does not run pipeline parallelism"
+                )
+            saved = 0
+            while os.path.exists(shard(saved)):
+                saved += 1
+            if saved == 0:
+                raise CheckpointLoadError(f"{folder} holds no ZeRO optimizer shard ({shard(0)} is missing)")
+            if saved != world_size:
+                names = os.path.basename(shard(0)) + ("" if saved == 1 else f" .. {os.path.basename(shard(saved - 1))}")
+                raise world_size_error(f"{folder} ({names})", saved, world_size)
+            try:
+                loaded = engine.checkpoint_engine.load(path, map_location="cpu")
+            except Exception as exc:
+                raise CheckpointLoadError(f"{path} cannot be read: {type(exc).__name__}: {exc}") from exc
+            if not isinstance(loaded, dict) or OPTIMIZER_STATE_DICT not in loaded:
+                raise CheckpointLoadError(f"{path} has no '{OPTIMIZER_STATE_DICT}': it is not a ZeRO optimizer shard")
+            state = loaded[OPTIMIZER_STATE_DICT]
+            kind = classify(o, state, path)
+        except (UnsupportedConfigError, CheckpointLoadError) as exc:
+            error = exc
+        _agree(group, error, kind)
+        self._checked = path
+        return state
+
+    @contextlib.contextmanager
+    def _serving(self, engine: Any, state: dict) -> Iterator[None]:
+        """While active, the engine's ZeRO load gets the shard already read (stock reads only its own rank's too)."""
+        import deepspeed.comm as dist
+
+        name = "_get_all_zero_checkpoints"
+        if engine.zero_elastic_checkpoint() or getattr(engine, "_autoep_folding_spec", None) is not None:
+            yield  # stock reads every rank's shard, or checks metadata on the way: its own reader
+            return
+        group = self.optimizer.dp_process_group
+        rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+        shadowed = engine.__dict__.get(name)
+        setattr(engine, name, lambda *args, **kwargs: [state if r == rank else None for r in range(world_size)])
+        try:
+            yield
+        finally:
+            if shadowed is None:
+                delattr(engine, name)
+            else:
+                setattr(engine, name, shadowed)
+            self._checked = None
+
     def load_legacy(
         self, state_dict_list: list, load_optimizer_states: bool = True, load_from_fp32_weights: bool = False
     ) -> Any:
-        """Wraps ``_load_legacy_checkpoint``: refuse, clearly, optimizer states of other sub-groups.
+        """Wraps ``_load_legacy_checkpoint``: a stock shard is re-partitioned into the sub-groups first; a shard of
+        other sub-groups is refused, clearly.
 
-        The saved per-group parameter counts must be flatgrad's: a checkpoint of stock
-        DeepSpeed (unsplit groups) or of another bucket size has other groups, which
-        DeepSpeed refuses with a message about ``parameter_alignment``.
+        A checkpoint of flatgrad with another bucket size has other groups, which
+        DeepSpeed itself would refuse with a message about ``parameter_alignment``.
         """
-        from deepspeed.checkpoint.constants import PARAM_ALIGNMENT_PADDINGS
-
         import deepspeed.comm as dist
 
         o = self.optimizer
-        mine = state_dict_list[dist.get_rank(group=o.dp_process_group)]  # as DeepSpeed reads it
-        saved = mine.get(PARAM_ALIGNMENT_PADDINGS) if mine is not None else None
-        current = [len(g) for g in o.round_robin_bit16_padding]
-        if (load_optimizer_states or load_from_fp32_weights) and saved is not None:
-            if [len(g) for g in saved] != current:
-                raise UnsupportedConfigError(
-                    f"the checkpoint's ZeRO optimizer has {len(saved)} param group(s) of {[len(g) for g in saved]} "
-                    f"params, flatgrad's has {len(current)} bucket-sized sub-groups of {current}: it was saved by "
-                    "stock DeepSpeed or by flatgrad with another bucket size ('flatgrad.bucket_numel' / "
-                    "'zero_optimization.reduce_bucket_size'). Load it with the bucket size it was saved with, or "
-                    "convert it to a universal checkpoint (deepspeed.checkpoint.ds_to_universal) and load that "
-                    "with 'checkpoint.load_universal'"
-                )
+        group = o.dp_process_group
+        rank = dist.get_rank(group=group)
+        mine = state_dict_list[rank]  # as DeepSpeed reads it
+        checked, self._checked = self._checked, None
+        if (load_optimizer_states or load_from_fp32_weights) and mine is not None:
+            if checked is not None:  # ``load_checkpoint`` classified it, and the ranks agreed
+                kind = classify(o, mine, checked)
+            else:
+                kind, error = None, None
+                try:
+                    kind = classify(o, mine, f"the ZeRO optimizer shard of rank {rank}")
+                except (UnsupportedConfigError, CheckpointLoadError) as exc:
+                    error = exc
+                _agree(group, error, kind)
+            if kind == STOCK:
+                state_dict_list = list(state_dict_list)
+                state_dict_list[rank] = repartition(o, mine)
         try:
             result = self.stock_load_legacy(state_dict_list, load_optimizer_states, load_from_fp32_weights)
         finally:
@@ -183,3 +295,27 @@ class Zero2Checkpoints:
         if load_optimizer_states:
             self._restore_residuals(None if mine is None else mine.get(RESIDUALS_KEY), "checkpoint")
         return result
+
+
+def _agree(group: Any, error: Exception | None, kind: str | None) -> None:
+    """Raise on every rank of ``group`` if any rank's shard failed its check, or if the ranks' shards are of different
+    layouts; a rank raising alone would leave the others waiting in the re-partition's collective."""
+    import deepspeed.comm as dist
+
+    world_size = dist.get_world_size(group=group)
+    mine = (kind, None if error is None else (type(error).__name__, str(error)))
+    if world_size == 1:
+        everyone = [mine]
+    else:
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, mine, group=group)
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
+    if failed:
+        r, (cls, message) = failed[0]
+        kind_of = UnsupportedConfigError if cls == UnsupportedConfigError.__name__ else CheckpointLoadError
+        raise kind_of(f"rank {r}: {message} (this is rank {dist.get_rank(group=group)})")
+    kinds = sorted({k for k, _ in everyone})
+    if len(kinds) > 1:
+        raise CheckpointLoadError(f"the ranks' ZeRO optimizer shards are of different layouts: {kinds}")

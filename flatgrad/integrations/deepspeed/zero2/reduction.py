@@ -313,4 +313,5 @@ def install(engine: Any, config: FlatgradConfig) -> Zero2Reduction:
     """Install flatgrad's reduce path into a ZeRO-1/2 engine built under ``prepare``."""
     reduction = Zero2Reduction(engine.optimizer, config)
     reduction.bind()
+    reduction.checkpoints.attach(engine)
     return reduction

@@ -1,0 +1,212 @@
+"""Stock DeepSpeed ZeRO-1/2 checkpoints load directly under flatgrad, and bad ones are refused before anything loads.
+
+Real DeepSpeed on CPU, 2 gloo ranks, fp32. See [Note: stock checkpoints under flatgrad] in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from _ds import MLP, ds_config, launch, make_batches, params_of, train
+
+D_IN, D_OUT = 13, 5
+
+
+def _engine(kind: str, cfg: dict, groups: bool = False, seed: int = 0):
+    """An engine over a fresh ``MLP``; ``groups`` gives it a client AdamW with two param groups (no decay on biases)."""
+    import deepspeed
+
+    import flatgrad.deepspeed as fds
+
+    torch.manual_seed(seed)
+    model = MLP()
+    client = None
+    if groups:
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        client = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    initialize = {"stock": deepspeed.initialize, "flatgrad": fds.initialize}[kind]
+    engine, *_ = initialize(model=model, model_parameters=list(model.parameters()), optimizer=client, config=cfg)
+    return engine
+
+
+def _masters(engine) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in engine.optimizer.single_partition_of_fp32_groups]
+
+
+# Each cell: (stage, gas, bucket, client optimizer with two param groups, round_robin_gradients).
+CELLS = [(2, 2, 500, False, False), (1, 1, 300, True, False), (2, 1, 300, True, True)]
+
+
+def _stock_resume_rank(rank, world_size, root):
+    import deepspeed.comm as dist
+
+    out = []
+    for c, (stage, gas, bucket, groups, round_robin) in enumerate(CELLS):
+        zero = {"round_robin_gradients": True} if round_robin else {}
+        cfg = ds_config(stage, gas=gas, world_size=world_size, bucket=bucket, optimizer=not groups, **zero)
+        if groups:
+            cfg["zero_allow_untested_optimizer"] = True
+        batches = make_batches(rank, 8 * gas, 2, D_IN, D_OUT)
+        cut = 4 * gas
+        saved = {}
+        for kind in ("stock", "flatgrad"):
+            engine = _engine(kind, cfg, groups)
+            train(engine, batches[:cut])
+            saved[kind] = os.path.join(root, f"{c}_{kind}")
+            engine.save_checkpoint(saved[kind], tag="t")
+            saved[kind + "_groups"] = len(engine.optimizer.bit16_groups)
+            if kind == "flatgrad":
+                saved["continued"] = train(engine, batches[cut:])
+                saved["continued_masters"] = _masters(engine)
+            engine.destroy()
+        dist.barrier()
+        result = {"stock_groups": saved["stock_groups"], "flatgrad_groups": saved["flatgrad_groups"]}
+        result["continued"], result["continued_masters"] = saved["continued"], saved["continued_masters"]
+        for kind in ("stock", "flatgrad"):
+            resumed = _engine("flatgrad", cfg, groups, seed=1)  # other initial weights: all must come from the file
+            resumed.load_checkpoint(saved[kind], tag="t")
+            at_load = _masters(resumed)
+            losses = train(resumed, batches[cut:])
+            result[kind] = (losses, _masters(resumed), params_of(resumed), at_load, resumed.global_steps)
+            resumed.destroy()
+        out.append(result)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_stock_checkpoint_resumes_under_flatgrad_bitwise_like_a_flatgrad_checkpoint(tmp_path):
+    """Train N steps under stock and under flatgrad (same seed and data), save both; load each under flatgrad and
+    continue M steps: losses, fp32 masters and parameters bitwise equal, and equal to the uninterrupted run. Cells:
+    ZeRO-2 with GA 2 and AdamW from the config; ZeRO-1 and ZeRO-2 with round-robin gradients, each with a client
+    torch AdamW of two param groups."""
+    for rank, cells in enumerate(launch(_stock_resume_rank, 2, str(tmp_path), timeout=280)):
+        for cell, r in zip(CELLS, cells):
+            assert r["stock_groups"] < r["flatgrad_groups"], (cell, r["stock_groups"], r["flatgrad_groups"])
+            s_losses, s_masters, s_params, s_at_load, s_steps = r["stock"]
+            f_losses, f_masters, f_params, f_at_load, f_steps = r["flatgrad"]
+            assert s_steps == f_steps
+            assert all(torch.equal(a, b) for a, b in zip(s_at_load, f_at_load)), (rank, cell)
+            assert s_losses == f_losses == r["continued"], (rank, cell)
+            assert len(s_masters) == len(f_masters) == len(r["continued_masters"])
+            for a, b, c in zip(s_masters, f_masters, r["continued_masters"]):
+                assert torch.equal(a, b) and torch.equal(b, c), (rank, cell)
+            for name, p in f_params.items():
+                assert torch.equal(s_params[name], p), (rank, cell, name)
+
+
+def _save_one_rank_rank(rank, world_size, root):
+    engine = _engine("stock", ds_config(2, world_size=world_size, bucket=500))
+    train(engine, make_batches(rank, 2, 2, D_IN, D_OUT))
+    engine.save_checkpoint(os.path.join(root, "one_rank"), tag="t")
+
+
+def _bad_input_rank(rank, world_size, root):
+    import deepspeed.comm as dist
+
+    import flatgrad.deepspeed as fds
+    from flatgrad.integrations.deepspeed.zero2.checkpoint import CheckpointLoadError
+
+    cfg = ds_config(2, world_size=world_size, bucket=500)
+    batches = make_batches(rank, 4, 2, D_IN, D_OUT)
+    good = os.path.join(root, "good")
+    engine = _engine("stock", cfg)
+    train(engine, batches[:2])
+    engine.save_checkpoint(good, tag="t")
+    engine.destroy()
+    dist.barrier()
+    shard = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+    def variant(name, edit):
+        path = os.path.join(root, name)
+        if rank == 0:
+            shutil.copytree(good, path)
+            edit(os.path.join(path, "t"))
+        dist.barrier()
+        return path
+
+    def truncate(folder):
+        with open(os.path.join(folder, shard), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(folder, shard)) // 2)
+
+    def garbage(folder):
+        with open(os.path.join(folder, shard), "wb") as f:
+            f.write(os.urandom(4096))
+
+    def edit_state(change):
+        def edit(folder):
+            sd = torch.load(os.path.join(folder, shard), weights_only=False)
+            change(sd["optimizer_state_dict"])
+            torch.save(sd, os.path.join(folder, shard))
+
+        return edit
+
+    def zero3(sd):  # the keys of a ZeRO-3 (and MiCS) shard: stage 3, flat fp32 groups
+        sd["zero_stage"] = 3
+        sd["fp32_flat_groups"] = sd.pop("single_partition_of_fp32_groups")
+
+    def pipeline(folder):  # a pipeline engine saves its modules layer by layer
+        shutil.copy(os.path.join(folder, "mp_rank_00_model_states.pt"), os.path.join(folder, "layer_01-model_states.pt"))
+
+    cases = {
+        "world size": os.path.join(root, "one_rank"),
+        "truncated": variant("truncated", truncate),
+        "garbage": variant("garbage", garbage),
+        "missing key": variant("missing_key", edit_state(lambda sd: sd.pop("base_optimizer_state"))),
+        "zero3": variant("zero3", edit_state(zero3)),
+        "pipeline": variant("pipeline", pipeline),
+    }
+    target = _engine("flatgrad", cfg, seed=1)
+    train(target, batches[:1])
+    masters, params, steps = _masters(target), params_of(target), target.global_steps
+    out = {}
+    for name, path in cases.items():
+        try:
+            target.load_checkpoint(path, tag="t")
+            out[name] = None
+        except (fds.UnsupportedConfigError, CheckpointLoadError) as exc:
+            out[name] = (type(exc).__name__, str(exc))
+        unchanged = all(torch.equal(a, b) for a, b in zip(_masters(target), masters))
+        unchanged = unchanged and all(torch.equal(p, params[n]) for n, p in params_of(target).items())
+        out[name + " unchanged"] = unchanged and target.global_steps == steps
+    target.load_checkpoint(good, tag="t")  # the engine still loads a good checkpoint, and trains on
+    out["good steps"] = target.global_steps
+    out["trains"] = train(target, batches[2:])
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_bad_checkpoints_are_refused_on_every_rank_naming_the_file_and_nothing_is_loaded(tmp_path):
+    """Another world size, a truncated and a garbage rank-0 shard, a shard without a key, a ZeRO-3/MiCS shard and a
+    pipeline engine's checkpoint: every rank raises (the bad shard is rank 0's), the message names the file or key,
+    and the engine's fp32 masters, parameters and step count are unchanged.
+
+    DeepSpeed makes neither MiCS (ZeRO-3 over sub-groups of ranks) nor pipeline checkpoints of this model cheaply on
+    CPU, so those two are hand-edited from a stock ZeRO-2 checkpoint: a shard with the ZeRO-3 keys (``zero_stage``
+    3, ``fp32_flat_groups``), and a folder with a pipeline engine's per-layer module file.
+    """
+    launch(_save_one_rank_rank, 1, str(tmp_path))
+    shard = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    for rank, out in enumerate(launch(_bad_input_rank, 2, str(tmp_path), timeout=220)):
+        for name in ("world size", "truncated", "garbage", "missing key", "zero3", "pipeline"):
+            assert out[name] is not None, (rank, name)
+            assert out[name + " unchanged"], (rank, name)
+        kind, message = out["world size"]
+        assert kind == "UnsupportedConfigError", out["world size"]
+        assert "saved by 1 data-parallel rank(s), this run has 2" in message, message
+        assert "ds_to_universal" in message and "checkpoint.load_universal" in message, message
+        for name in ("truncated", "garbage"):
+            kind, message = out[name]
+            assert kind == "CheckpointLoadError" and os.path.join(name, "t", shard) in message, (rank, out[name])
+        kind, message = out["missing key"]
+        assert kind == "CheckpointLoadError" and "'base_optimizer_state'" in message and shard in message, message
+        kind, message = out["zero3"]
+        assert kind == "UnsupportedConfigError" and "ZeRO-3" in message and shard in message, message
+        kind, message = out["pipeline"]
+        assert kind == "UnsupportedConfigError" and "pipeline" in message and "layer_01" in message, message
+        if rank == 1:  # the bad shard is rank 0's: rank 1 says whose it was
+            assert "rank 0:" in out["truncated"][1], out["truncated"]
+        assert out["good steps"] == 2 and len(out["trains"]) == 2
