@@ -410,7 +410,7 @@ def _staging_fails_on_one_rank(rank: int, world_size: int) -> str:
     # The CPU accelerator keeps the grads in host memory and stages nothing; these engines stage, as on a GPU.
     Zero3Offload.needs_staging = lambda self: True
     if rank == 1:
-        def refuse(self) -> None:
+        def refuse(self, nbytes: int) -> None:
             raise RuntimeError("out of memory (pinned host allocation)")
 
         Zero3Offload.allocate_staging = refuse
