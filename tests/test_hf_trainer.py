@@ -133,3 +133,74 @@ def test_trainer_with_the_guides_offload_configs_engages_flatgrad_and_trains_lik
             ((stock["params"][n] - p).abs().max() / stock["params"][n].abs().max()).item() for n, p in fg["params"].items()
         )
         assert worst <= 1e-5, worst
+
+
+# A ZeRO-3 + bf16 + overlap_comm config asking for DeepSpeed's ZeRO++ qgZ, as fine-tuning frameworks ship it.
+HF_ZERO3_QGZ = {
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "zero_quantized_gradients": True,
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def _qgz_rank(rank: int, world_size: int, root: str) -> dict:
+    import os
+    import warnings
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import flatgrad.deepspeed as fds
+
+    fds.patch()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(128, (16, 16), generator=gen)]
+    args = TrainingArguments(
+        output_dir=os.path.join(root, "qgz"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=True,
+        seed=0, deepspeed=copy.deepcopy(HF_ZERO3_QGZ), disable_tqdm=True,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    fds.unpatch()
+    engine = trainer.model_wrapped
+    reduction = getattr(engine.optimizer, "flatgrad", None)
+    return {
+        "line": None if reduction is None else reduction.describe(),
+        "modes": set() if reduction is None else {c.bucket.mode.name for c in reduction.compositions.values()},
+        "ds_qgz": engine.zero_quantized_gradients(),
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "warnings": [str(w.message) for w in caught if "flatgrad" in str(w.message)],
+    }
+
+
+@pytest.mark.timeout(300)
+def test_trainer_with_the_qgz_key_under_zero3_bf16_runs_flatgrads_qgz(tmp_path):
+    """The qgZ key engages flatgrad (DeepSpeed sees no qgZ); one node: flatgrad's qgz_int8 is the flat int8, and
+    the take-over line and a warning say so."""
+    for out in launch(_qgz_rank, 2, str(tmp_path), timeout=280):
+        assert out["line"] is not None, "flatgrad did not take the Trainer's engine"
+        assert "DeepSpeed's qgZ ('zero_optimization.zero_quantized_gradients') runs as flatgrad's qgz_int8" in out["line"]
+        assert "on one node (or one rank per node) is the flat int8" in out["line"], out["line"]
+        assert out["modes"] == {"int8"} and not out["ds_qgz"], out
+        assert any("'qgz_int8'" in w and "'int8'" in w for w in out["warnings"]), out["warnings"]
+        assert len(out["losses"]) == 2 and all(loss == loss for loss in out["losses"]), out["losses"]
