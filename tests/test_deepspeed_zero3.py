@@ -660,3 +660,24 @@ def test_every_mode_on_two_nodes_of_two_matches_flat_and_checkpoints_resume(tmp_
                 assert run["resumed_pending"] == 0, name
             else:
                 assert run["residuals"] is None, name  # stock's checkpoint layout
+
+
+@pytest.mark.parametrize("asked_by", ["flatgrad.reduction", "zero_optimization.zero_quantized_gradients"])
+def test_two_stage_mode_on_several_partition_groups_is_refused_naming_the_key(monkeypatch, asked_by: str) -> None:
+    """MoE or MiCS: the parameters reduce over several partition groups, and a two-stage mode needs one. The check
+    reads the parameters' groups only (no collective), so every rank raises the same error, naming the key."""
+    import dataclasses
+    import types
+
+    import torch.distributed as tdist
+
+    from flatgrad.integrations.deepspeed.config import FlatgradConfig, UnsupportedConfigError
+    from flatgrad.integrations.deepspeed.zero3.seams import reduction_mode
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    groups = {id(params[0]): "dense", id(params[1]): "experts"}
+    monkeypatch.setattr(tdist, "get_process_group_ranks", lambda g: (0, 1, 2, 3) if g == "dense" else (0, 2))
+    opt = types.SimpleNamespace(fp16_groups=[params], _get_param_partition_group=lambda p: groups[id(p)])
+    config = dataclasses.replace(FlatgradConfig.from_dict({"reduction": "qgz_int8"}), reduction_key=asked_by)
+    with pytest.raises(UnsupportedConfigError, match=f"'{asked_by}' asks for 'qgz_int8'.*this model has 2"):
+        reduction_mode(opt, config)
