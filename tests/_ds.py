@@ -24,11 +24,14 @@ __all__ = [
     "MLP",
     "COUNTED",
     "SeedMoE",
+    "as_nodes",
     "count_collectives",
     "ds_config",
     "launch",
     "make_batches",
     "train",
+    "train_save_resume",
+    "zero3_master",
 ]
 
 
@@ -246,3 +249,43 @@ REDUCTIONS = (
     "norm", "vector_norm", "linalg_vector_norm", "_foreach_norm",
     "isinf", "isnan", "isfinite", "sum", "abs", "max", "amax",
 )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- nodes and checkpoints
+
+
+def as_nodes(rank: int, node_size: int) -> None:
+    """What a launcher on nodes of ``node_size`` ranks tells each rank (the ranks here share one machine)."""
+    os.environ.update(LOCAL_WORLD_SIZE=str(node_size), LOCAL_RANK=str(rank % node_size))
+
+
+def train_save_resume(cfg: dict, batches: list, path: str, at: int = 8) -> tuple:
+    """Train ``at`` micro-steps from seed 0, save, train the rest; a second engine (other initial weights) loads the
+    checkpoint. Returns (engine, losses before the save, losses after it, the resumed engine, not trained yet)."""
+    import deepspeed.comm as ds_dist
+
+    import flatgrad.deepspeed as fds
+
+    torch.manual_seed(0)
+    engine, *_ = fds.initialize(model=MLP(), config=cfg)
+    losses = train(engine, batches[:at])
+    engine.save_checkpoint(path, tag="t")
+    continued = train(engine, batches[at:])
+    ds_dist.barrier()
+    torch.manual_seed(1)  # other initial weights: all must come from the checkpoint
+    resumed, *_ = fds.initialize(model=MLP(), config=cfg)
+    resumed.load_checkpoint(path, tag="t")
+    return engine, losses, continued, resumed
+
+
+def zero3_master(engine, rank: int) -> list[torch.Tensor]:
+    """This rank's fp32 master partitions, their real data only: the padding after a parameter's last element is
+    uninitialized (ZeRO-3 keeps no full parameters between steps)."""
+    opt, out = engine.optimizer, []
+    for group, flat in zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat):
+        offset = 0
+        for p in group:
+            c = p.partition_numel()
+            out.append(flat.narrow(0, offset, max(0, min(c, p.ds_numel - rank * c))).detach().clone())
+            offset += c
+    return out

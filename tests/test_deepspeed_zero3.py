@@ -472,7 +472,6 @@ REFUSED = {
     "zero_optimization.offload_optimizer.super_offload": (
         "zero_optimization", {"offload_optimizer": {"device": "cpu", "super_offload": True}}
     ),
-    "zero_optimization.zero_quantized_gradients": ("zero_optimization", {"zero_quantized_gradients": True}),
     "zero_optimization.reduce_scatter": ("zero_optimization", {"reduce_scatter": False}),
     "zero_optimization.zenflow": ("zero_optimization", {"zenflow": {"topk_ratio": 0.1}}),
     "compile.deepcompile": ("compile", {"deepcompile": True}),
@@ -585,3 +584,100 @@ def test_patch_routes_zero3_and_passes_unsupported_through() -> None:
         before, after = r["records"]
         assert before == []
         assert len(after) == 1 and "zero_optimization.reduce_scatter" in after[0], after
+
+
+# --------------------------------------------------------------------------- every reduction mode
+
+
+# name: (the flatgrad section, the mode class it runs, exact: within 1e-6 of flat, else the ZeRO-2 int8 bound)
+MODE_RUNS = {
+    "exact": ({"reduction": "exact"}, "ExactSum", True),
+    "2d_reduce_scatter": ({"reduction": "2d_reduce_scatter"}, "TwoStageReduceScatter", True),
+    "hier_exact": ({"reduction": "hier_exact"}, "HierarchicalExact", True),
+    "int8": ({"reduction": "int8"}, "QuantizedWire", False),
+    "int8_ef": ({"reduction": "int8", "error_feedback": True}, "QuantizedWire", False),
+    "fp8": ({"reduction": "fp8"}, "QuantizedWire", False),
+    "fp8_ef": ({"reduction": "fp8", "error_feedback": True}, "QuantizedWire", False),
+    "hier_int8_ef": ({"reduction": "hier_int8", "error_feedback": True}, "HierarchicalQuantized", False),
+    "hier_fp8": ({"reduction": "hier_fp8"}, "HierarchicalQuantized", False),
+    "qgz_int8": ({"reduction": "qgz_int8"}, "QuantizedTwoStage", False),
+    "qgz_fp8_ef": ({"reduction": "qgz_fp8", "error_feedback": True}, "QuantizedTwoStage", False),
+}
+
+
+def _every_mode(rank: int, world_size: int, root: str) -> dict:
+    """Every mode on 2 nodes of 2, one after the other: losses, then a checkpoint resumed (residuals included)."""
+    from _ds import as_nodes, train, train_save_resume, zero3_master
+
+    from flatgrad.integrations.deepspeed.zero2.checkpoint import RESIDUALS_KEY
+
+    as_nodes(rank, 2)
+    batches = make_batches(rank, 8, 2, 13, 5)
+    out: dict = {}
+    for name, (section, _, _) in {"flat": ({"reduction": "reduce_scatter"}, None, True), **MODE_RUNS}.items():
+        cfg = ds_config(3, gas=2, world_size=world_size, bucket=500, flatgrad={**section, "comm_dtype": "fp32"})
+        path = os.path.join(root, name)
+        engine, losses, continued, resumed = train_save_resume(cfg, batches, path, at=4)
+        reduction = engine.optimizer.flatgrad
+        saved = torch.load(os.path.join(path, "t", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"), weights_only=False)
+        saved = saved["optimizer_state_dict"].get(RESIDUALS_KEY)
+        out[name] = {
+            "modes": {type(c.bucket.mode).__name__ for c in reduction.compositions.values()},
+            "divide": {c.bucket.divide for c in reduction.compositions.values()},
+            "line": reduction.describe(), "losses": losses + continued, "master": zero3_master(engine, rank),
+            "residuals": None if saved is None else {k: v.clone() for k, v in saved["residuals"].items()},
+            "resumed_losses": train(resumed, batches[4:]), "resumed_master": zero3_master(resumed, rank),
+        }  # fmt: skip
+        residuals = resumed.optimizer.flatgrad.residuals
+        out[name]["resumed_pending"] = len(residuals.pending)  # every saved residual found its composition
+        engine.destroy()
+        resumed.destroy()
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_every_mode_on_two_nodes_of_two_matches_flat_and_checkpoints_resume(tmp_path) -> None:
+    """ZeRO-3 serves every mode: the exact ones within 1e-6 of flat flatgrad, the quantized ones within the bound
+    ZeRO-2's int8 wire has (tests/test_deepspeed_zero2.py); every checkpoint resumes bitwise, residuals included."""
+    for rank, out in enumerate(launch(_every_mode, 4, str(tmp_path), timeout=380)):
+        flat = out["flat"]
+        for name, (section, cls, exact) in MODE_RUNS.items():
+            run = out[name]
+            assert run["modes"] == {cls}, (name, run["modes"])
+            assert run["divide"] == {False}, name  # fp32 on 4 ranks: stock's divide folds into the pack
+            assert section["reduction"] in run["line"], run["line"]
+            assert len(run["losses"]) == len(flat["losses"]) == 8
+            if exact:
+                assert max(abs(a - b) for a, b in zip(run["losses"], flat["losses"])) <= 1e-6, (name, rank)
+            else:
+                assert run["losses"] != flat["losses"], name  # it did quantize
+                torch.testing.assert_close(run["losses"], flat["losses"], rtol=0.02, atol=0, msg=name)
+            assert run["resumed_losses"] == run["losses"][4:], (name, rank)  # the checkpoint resumes bitwise
+            assert all(torch.equal(a, b) for a, b in zip(run["resumed_master"], run["master"])), (name, rank)
+            if section.get("error_feedback"):
+                assert run["residuals"] and any(bool(t.any()) for t in run["residuals"].values()), name
+                assert run["resumed_pending"] == 0, name
+            else:
+                assert run["residuals"] is None, name  # stock's checkpoint layout
+
+
+@pytest.mark.parametrize("asked_by", ["flatgrad.reduction", "zero_optimization.zero_quantized_gradients"])
+def test_two_stage_mode_on_several_partition_groups_is_refused_naming_the_key(monkeypatch, asked_by: str) -> None:
+    """MoE or MiCS: the parameters reduce over several partition groups, and a two-stage mode needs one. The check
+    reads the parameters' groups only (no collective), so every rank raises the same error, naming the key."""
+    import dataclasses
+    import types
+
+    import torch.distributed as tdist
+
+    from flatgrad.integrations.deepspeed.config import FlatgradConfig, UnsupportedConfigError
+    from flatgrad.integrations.deepspeed.zero3.seams import reduction_mode
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    groups = {id(params[0]): "dense", id(params[1]): "experts"}
+    monkeypatch.setattr(tdist, "get_process_group_ranks", lambda g: (0, 1, 2, 3) if g == "dense" else (0, 2))
+    opt = types.SimpleNamespace(fp16_groups=[params], _get_param_partition_group=lambda p: groups[id(p)])
+    config = dataclasses.replace(FlatgradConfig.from_dict({"reduction": "qgz_int8"}), reduction_key=asked_by)
+    with pytest.raises(UnsupportedConfigError, match=f"'{asked_by}' asks for 'qgz_int8'.*this model has 2"):
+        reduction_mode(opt, config)

@@ -41,7 +41,8 @@ TORCH_ADAM = {"zero_force_ds_cpu_optimizer": False}
 
 
 def _engine(rank: int, world_size: int, flat: bool, *, gas: int, clip: float = 0.0, cpu_adam: bool = False,
-            top: dict | None = None, stage: bool = False, backend: str | None = None, **zero):
+            top: dict | None = None, stage: bool = False, backend: str | None = None, flatgrad: dict | None = None,
+            **zero):
     """A ZeRO-3 engine over the seeded MLP: stock ``deepspeed.initialize`` or ``flatgrad.deepspeed.initialize``."""
     import deepspeed
 
@@ -57,7 +58,7 @@ def _engine(rank: int, world_size: int, flat: bool, *, gas: int, clip: float = 0
     cfg.update(top or {})
     initialize = deepspeed.initialize
     if flat:
-        cfg["flatgrad"] = {"backend": backend} if backend else {}
+        cfg["flatgrad"] = {**({"backend": backend} if backend else {}), **(flatgrad or {})}
         initialize = flatgrad_ds.initialize
     engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
     if flat and stage:
@@ -410,7 +411,7 @@ def _staging_fails_on_one_rank(rank: int, world_size: int) -> str:
     # The CPU accelerator keeps the grads in host memory and stages nothing; these engines stage, as on a GPU.
     Zero3Offload.needs_staging = lambda self: True
     if rank == 1:
-        def refuse(self) -> None:
+        def refuse(self, nbytes: int) -> None:
             raise RuntimeError("out of memory (pinned host allocation)")
 
         Zero3Offload.allocate_staging = refuse
@@ -431,3 +432,53 @@ def test_staging_that_cannot_be_allocated_raises_on_every_rank() -> None:
         # Every rank names the rank that failed, and why.
         assert f"on rank 1 ('zero_optimization.offload_optimizer'; this is rank {rank})" in message, message
         assert "RuntimeError: out of memory (pinned host allocation)" in message, message
+
+
+# --------------------------------------------------------------------------- every reduction mode
+
+# Every mode, and error feedback on a flat and a two-stage quantized wire.
+OFFLOAD_MODES = (
+    ("exact", False), ("int8", True), ("fp8", False), ("2d_reduce_scatter", False), ("hier_exact", False),
+    ("hier_int8", False), ("hier_fp8", False), ("qgz_int8", True), ("qgz_fp8", False),
+)  # fmt: skip
+
+
+def _every_mode(rank: int, world_size: int) -> dict:
+    """Each mode on 2 nodes of 2: without offload, then with the optimizer offloaded and every segment staged
+    through the pinned buffers (as on a GPU): what arrived (the sources, or the wire bytes) is unpacked on the host."""
+    from _ds import as_nodes, train
+
+    from flatgrad.integrations.deepspeed.zero3.offload import Zero3Offload
+
+    as_nodes(rank, 2)
+    # As on a GPU: the staging buffers are allocated at install (sized by the largest ``received``), and a segment
+    # that outgrew them would replace one, which the test would see.
+    Zero3Offload.needs_staging = lambda self: True
+    batches = make_batches(rank, 4, MICRO_BATCH, D_IN, D_OUT)
+    out: dict = {}
+    for reduction, feedback in OFFLOAD_MODES:
+        section = {"reduction": reduction, "error_feedback": feedback}
+        for offload in (False, True):
+            options = {**BASE, **(_offload(True) if offload else {})}
+            engine = _engine(rank, world_size, True, gas=2, stage=offload, flatgrad=section, **options)
+            r = engine.optimizer.flatgrad
+            out[reduction, feedback, offload] = {
+                "losses": train(engine, batches),
+                "modes": {c.bucket.mode.name for c in r.compositions.values()},
+                "staging": [b.numel() for b in r.offload.staging_buffers], "largest": r.staging_bytes(),
+                "transfers": r.offload.host_transfers,
+            }  # fmt: skip
+            engine.destroy()
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_offload_serves_every_mode() -> None:
+    """With the optimizer offloaded and the segments staged, every mode trains as it does without offload."""
+    for rank, out in enumerate(launch(_every_mode, 4, timeout=280)):
+        for reduction, feedback in OFFLOAD_MODES:
+            plain, offloaded = out[reduction, feedback, False], out[reduction, feedback, True]
+            assert plain["modes"] == offloaded["modes"] == {reduction}, (reduction, plain["modes"])
+            assert offloaded["transfers"] > 0 and offloaded["staging"] == [offloaded["largest"]] * 2, offloaded
+            torch.testing.assert_close(offloaded["losses"], plain["losses"], rtol=1e-6, atol=0, msg=reduction)

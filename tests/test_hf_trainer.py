@@ -10,6 +10,7 @@ in. The model is a small GPT-2 built from its config (no download).
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 from _ds import launch
@@ -81,10 +82,19 @@ def _full_params(engine) -> dict:
     return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
 
 
+def _gpt2(samples: int) -> tuple:
+    """The small GPT-2 from seed 0 (built from its config, no download), and ``samples`` sequences of 16 tokens."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    gen = torch.Generator().manual_seed(0)
+    return model, [{"input_ids": ids, "labels": ids} for ids in torch.randint(128, (samples, 16), generator=gen)]
+
+
 def _trainer_rank(rank: int, world_size: int, root: str, ds_config: dict) -> dict:
     import os
-
-    import torch
 
     import flatgrad.deepspeed as fds
 
@@ -92,12 +102,9 @@ def _trainer_rank(rank: int, world_size: int, root: str, ds_config: dict) -> dic
     for kind in ("stock", "flatgrad"):
         if kind == "flatgrad":
             fds.patch()
-        from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+        from transformers import Trainer, TrainingArguments
 
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
-        gen = torch.Generator().manual_seed(0)
-        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(128, (64, 16), generator=gen)]
+        model, data = _gpt2(64)
         args = TrainingArguments(
             output_dir=os.path.join(root, kind), per_device_train_batch_size=2, gradient_accumulation_steps=2,
             max_steps=6, learning_rate=1e-3, warmup_steps=2, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
@@ -133,3 +140,58 @@ def test_trainer_with_the_guides_offload_configs_engages_flatgrad_and_trains_lik
             ((stock["params"][n] - p).abs().max() / stock["params"][n].abs().max()).item() for n, p in fg["params"].items()
         )
         assert worst <= 1e-5, worst
+
+
+# A ZeRO-3 + bf16 + overlap_comm config asking for DeepSpeed's ZeRO++ qgZ, as fine-tuning frameworks ship it.
+HF_ZERO3_QGZ = {
+    **{k: v for k, v in HF_ZERO3_OFFLOAD.items() if k not in ("fp16", "optimizer", "scheduler", "zero_optimization")},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        **{k: v for k, v in HF_ZERO3_OFFLOAD["zero_optimization"].items() if not k.startswith("offload_")},
+        "zero_quantized_gradients": True,
+    },
+}
+
+
+def _qgz_rank(rank: int, world_size: int, root: str) -> dict:
+    import os
+    import warnings
+
+    from transformers import Trainer, TrainingArguments
+
+    import flatgrad.deepspeed as fds
+
+    fds.patch()
+    model, data = _gpt2(16)
+    args = TrainingArguments(
+        output_dir=os.path.join(root, "qgz"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=True,
+        seed=0, deepspeed=copy.deepcopy(HF_ZERO3_QGZ), disable_tqdm=True,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    fds.unpatch()
+    engine = trainer.model_wrapped
+    reduction = getattr(engine.optimizer, "flatgrad", None)
+    return {
+        "line": None if reduction is None else reduction.describe(),
+        "modes": set() if reduction is None else {c.bucket.mode.name for c in reduction.compositions.values()},
+        "ds_qgz": engine.zero_quantized_gradients(),
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "warnings": [str(w.message) for w in caught if "flatgrad" in str(w.message)],
+    }
+
+
+@pytest.mark.timeout(300)
+def test_trainer_with_the_qgz_key_under_zero3_bf16_runs_flatgrads_qgz(tmp_path):
+    """The qgZ key engages flatgrad (DeepSpeed sees no qgZ); one node: flatgrad's qgz_int8 is the flat int8, and
+    the take-over line and a warning say so."""
+    for out in launch(_qgz_rank, 2, str(tmp_path), timeout=280):
+        assert out["line"] is not None, "flatgrad did not take the Trainer's engine"
+        assert "DeepSpeed's qgZ ('zero_optimization.zero_quantized_gradients') runs as flatgrad's qgz_int8" in out["line"]
+        assert "on one node (or one rank per node) is the flat int8" in out["line"], out["line"]
+        assert out["modes"] == {"int8"} and not out["ds_qgz"], out
+        assert any("'qgz_int8'" in w and "'int8'" in w for w in out["warnings"]), out["warnings"]
+        assert len(out["losses"]) == 2 and all(math.isfinite(loss) for loss in out["losses"]), out["losses"]

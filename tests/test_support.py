@@ -31,9 +31,6 @@ _ON = {
         "data_types.grad_accum_dtype", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
     ),
     "this communication dtype": ("communication_data_type", {"communication_data_type": "int8"}),
-    "qgZ quantized gradients": (
-        "zero_optimization.zero_quantized_gradients", {"zero_optimization": {"zero_quantized_gradients": True}}
-    ),
     "all-reduce gradient averaging": (
         "zero_optimization.reduce_scatter", {"zero_optimization": {"reduce_scatter": False}}
     ),
@@ -101,3 +98,39 @@ def test_zero_stage_reads_every_spelling():
     assert zero_stage({}) == 0
     assert zero_stage({"zero_optimization": True}) == 1
     assert zero_stage({"zero_optimization": {"stage": 3}}) == 3
+
+
+# DeepSpeed's ZeRO++ keys: qgZ acts on gradients (flatgrad serves it); the others act on parameters (DeepSpeed's).
+_ZERO_PP = {"zero_quantized_gradients": True, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
+            "zero_quantized_nontrainable_weights": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_pp_keys_are_not_refused(stage: int):
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": stage, **_ZERO_PP}}
+    assert refusals(cfg) == []
+
+
+def test_qgz_key_runs_qgz_int8_under_zero3_and_leaves_the_config_deepspeed_sees():
+    import warnings
+
+    from flatgrad.integrations.deepspeed.config import FlatgradConfig
+    from flatgrad.integrations.deepspeed.support import QGZ_KEY, take_over_qgz
+
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 3, **_ZERO_PP}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        served = take_over_qgz(cfg, FlatgradConfig.from_dict({}))
+    assert (served.reduction, served.reduction_key, served.node_size) == ("qgz_int8", QGZ_KEY, None)
+    assert "zero_quantized_gradients" not in cfg["zero_optimization"]
+    assert cfg["zero_optimization"]["zero_hpz_partition_size"] == 2 and cfg["zero_optimization"]["zero_quantized_weights"]
+    # An explicit reduction wins over the key, with one warning naming both; the key still leaves the config.
+    cfg = {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}
+    with pytest.warns(UserWarning, match=r"'flatgrad.reduction' = 'int8' wins over 'zero_optimization.zero_quant"):
+        explicit = take_over_qgz(cfg, FlatgradConfig.from_dict({"reduction": "int8"}))
+    assert (explicit.reduction, explicit.reduction_key) == ("int8", "flatgrad.reduction") and cfg["zero_optimization"] == {"stage": 3}
+    # Other stages, or flatgrad disabled: the key stays DeepSpeed's, the config flatgrad's.
+    for stage, section in ((2, {}), (3, {"enabled": False})):
+        cfg = {"zero_optimization": {"stage": stage, "zero_quantized_gradients": True}}
+        same = FlatgradConfig.from_dict(section)
+        assert take_over_qgz(cfg, same) is same and cfg["zero_optimization"]["zero_quantized_gradients"]

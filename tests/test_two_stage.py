@@ -274,40 +274,15 @@ def test_one_stage_topologies_fall_back_to_the_flat_mode_with_a_warning(reductio
 # ------------------------------------------------------------------ DeepSpeed ZeRO-2
 
 
-def _as_nodes(rank: int, node_size: int) -> None:
-    """What a launcher on nodes of ``node_size`` ranks tells each rank (the ranks here share one machine)."""
-    os.environ.update(LOCAL_WORLD_SIZE=str(node_size), LOCAL_RANK=str(rank % node_size))
-
-
-def _train_save_resume(cfg: dict, batches: list, path: str) -> tuple:
-    """Train 8 micro-steps from seed 0, save, train the rest; a second engine (other initial weights) loads the
-    checkpoint. Returns (engine, losses before the save, losses after it, the resumed engine, not trained yet)."""
-    import deepspeed.comm as ds_dist
-    from _ds import MLP, train
-
-    import flatgrad.deepspeed as fds
-
-    torch.manual_seed(0)
-    engine, *_ = fds.initialize(model=MLP(), config=cfg)
-    losses = train(engine, batches[:8])
-    engine.save_checkpoint(path, tag="t")
-    continued = train(engine, batches[8:])
-    ds_dist.barrier()
-    torch.manual_seed(1)  # other initial weights: all must come from the checkpoint
-    resumed, *_ = fds.initialize(model=MLP(), config=cfg)
-    resumed.load_checkpoint(path, tag="t")
-    return engine, losses, continued, resumed
-
-
 def _zero2_rank(rank: int, world_size: int, root: str) -> dict:
-    from _ds import ds_config, make_batches, params_of, train
+    from _ds import as_nodes, ds_config, make_batches, params_of, train, train_save_resume
 
-    _as_nodes(rank, 2)
+    as_nodes(rank, 2)
     batches = make_batches(rank, 16, 2, 13, 5)
     out: dict = {}
     for reduction in ("reduce_scatter", "2d_reduce_scatter", "hier_int8", "int8"):
         cfg = ds_config(2, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": "fp32"})
-        engine, losses, continued, resumed = _train_save_resume(cfg, batches, os.path.join(root, reduction))
+        engine, losses, continued, resumed = train_save_resume(cfg, batches, os.path.join(root, reduction))
         modes = {type(r.mode).__name__ for r in engine.optimizer.flatgrad.reducers}
         out[reduction] = {
             "modes": modes, "losses": losses + continued, "params": params_of(engine),
@@ -335,36 +310,23 @@ def test_deepspeed_zero2_two_stage_on_two_nodes_of_two_matches_flat_and_checkpoi
             assert all(torch.equal(run["resumed_params"][n], p) for n, p in run["params"].items()), rank
 
 
-def _zero3_state(engine, rank: int) -> list[torch.Tensor]:
-    """This rank's fp32 master partitions, their real data only: the padding after a parameter's last element is
-    uninitialized (ZeRO-3 keeps no full parameters between steps)."""
-    opt, out = engine.optimizer, []
-    for group, flat in zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat):
-        offset = 0
-        for p in group:
-            c = p.partition_numel()
-            out.append(flat.narrow(0, offset, max(0, min(c, p.ds_numel - rank * c))).detach().clone())
-            offset += c
-    return out
-
-
 def _zero3_rank(rank: int, world_size: int, root: str) -> dict:
-    from _ds import ds_config, make_batches, train
+    from _ds import as_nodes, ds_config, make_batches, train, train_save_resume, zero3_master
 
-    _as_nodes(rank, 2)
+    as_nodes(rank, 2)
     batches = make_batches(rank, 16, 2, 13, 5)
     out: dict = {}
     runs = {"flat": ("reduce_scatter", "fp32"), "2d": ("2d_reduce_scatter", "fp32"),
             "flat_bf16": ("reduce_scatter", "bf16"), "2d_bf16": ("2d_reduce_scatter", "bf16")}  # fmt: skip
     for name, (reduction, comm_dtype) in runs.items():
         cfg = ds_config(3, gas=2, world_size=world_size, bucket=500, flatgrad={"reduction": reduction, "comm_dtype": comm_dtype})
-        engine, losses, continued, resumed = _train_save_resume(cfg, batches, os.path.join(root, name))
+        engine, losses, continued, resumed = train_save_resume(cfg, batches, os.path.join(root, name))
         reducer = engine.optimizer.flatgrad
         modes = {(type(c.bucket.mode).__name__, c.bucket.mode.name, c.bucket.divide) for c in reducer.compositions.values()}
         out[name] = {
             "modes": modes, "line": reducer.describe(), "losses": losses + continued,
-            "master": _zero3_state(engine, rank), "resumed_losses": train(resumed, batches[8:]),
-            "resumed_master": _zero3_state(resumed, rank),
+            "master": zero3_master(engine, rank), "resumed_losses": train(resumed, batches[8:]),
+            "resumed_master": zero3_master(resumed, rank),
         }  # fmt: skip
         engine.destroy()
         resumed.destroy()
@@ -393,14 +355,14 @@ def test_deepspeed_zero3_two_stage_on_two_nodes_of_two_matches_flat_and_checkpoi
             assert all(torch.equal(a, b) for a, b in zip(run["resumed_master"], run["master"])), rank
 
 
-def _zero3_bad_rank(rank: int, world_size: int, case: str) -> str:
+def _zero3_bad_rank(rank: int, world_size: int, case: str, reduction: str) -> str:
     from _ds import MLP, ds_config
 
     import flatgrad.deepspeed as fds
 
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     node_size = {"no-divide": 3, "differs": 4 if rank == 0 else 2}[case]
-    cfg = ds_config(3, world_size=world_size, flatgrad={"reduction": "2d_reduce_scatter", "node_size": node_size})
+    cfg = ds_config(3, world_size=world_size, flatgrad={"reduction": reduction, "node_size": node_size})
     try:
         fds.initialize(model=MLP(), config=cfg)
     except fds.UnsupportedConfigError as exc:
@@ -409,12 +371,14 @@ def _zero3_bad_rank(rank: int, world_size: int, case: str) -> str:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("reduction", ["2d_reduce_scatter", "qgz_int8"])
 @pytest.mark.parametrize("case", ["no-divide", "differs"])
-def test_deepspeed_zero3_bad_node_size_raises_on_every_rank(case):
+def test_deepspeed_zero3_bad_node_size_raises_on_every_rank(case, reduction):
     from _ds import launch
 
-    for rank, message in enumerate(launch(_zero3_bad_rank, 4, case, timeout=180)):
+    for rank, message in enumerate(launch(_zero3_bad_rank, 4, case, reduction, timeout=180)):
         assert "node_size" in message and f"this is rank {rank}" in message, (rank, message)
+        assert f"'flatgrad.reduction' = {reduction!r}" in message, message
         if case == "no-divide":
             assert "does not divide the world size 4" in message, message
 

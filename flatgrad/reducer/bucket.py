@@ -33,8 +33,8 @@ class Bucket:
 
     __slots__ = (
         "id", "params", "layout", "rank", "device", "comm_dtype", "op", "method", "backend", "unpack_backend", "mode",
-        "pack_scale", "unpack_scale", "divide", "pack_plan", "unpack_plan", "wire_kernels", "residual", "pieces",
-        "previous", "views", "flight", "shard", "accumulate", "stats", "unpacked", "in_flight", "pack_stream",
+        "pack_scale", "unpack_scale", "divide", "pack_plan", "unpack_plan", "wire_kernels", "unpack_wire_kernels",
+        "residual", "pieces", "previous", "views", "flight", "shard", "accumulate", "stats", "unpacked", "in_flight", "pack_stream",
         "unpack_stream", "ready", "not_ready", "pending", "launched",
     )  # fmt: skip
 
@@ -80,7 +80,10 @@ class Bucket:
         # docs/design.md). A missing gradient is passed as None and packs as zeros.
         self.pack_plan = mode.pack_plan(layout, len(params), comm_dtype, self.device, backend)
         self.unpack_plan: Any = None  # made with the first shard
-        self.wire_kernels = mode.wire_kernels(backend)
+        self.wire_kernels = mode.wire_kernels(backend)  # the collective's stages run these
+        # The unpack's: the host's where a staged segment is unpacked on the host.
+        same = self.unpack_backend == backend
+        self.unpack_wire_kernels = self.wire_kernels if same else mode.wire_kernels(self.unpack_backend)
         self.residual = mode.residual(layout, self.device)
         self.pieces = tuple(layout.pieces(rank))
         self.previous: Bucket | None = None  # the comm buffer's previous occupant: see [Note: comm buffer pool]

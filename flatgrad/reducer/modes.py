@@ -46,6 +46,7 @@ class BucketPlan(Protocol):
     divide: bool
     residual: torch.Tensor | None
     wire_kernels: Any
+    unpack_wire_kernels: Any
 
     def unpack_plan_for(self, shard: Any) -> Any:
         """The bucket's unpack plan for ``shard``'s form, made once."""
@@ -64,6 +65,9 @@ class ReductionMode(abc.ABC):
     block: int = 0
     error_feedback: bool = False
     packs_comm_buffer: bool = True  # the pack writes a comm-dtype buffer (which a bucket may divide in place)
+    # The unpack writes a shard given as one tensor or as one per piece (it reads this rank's comm-dtype
+    # segment); False: it sums sources, or dequantizes a wire, into one contiguous shard only.
+    unpacks_pieces: bool = False
 
     @classmethod
     def build(
@@ -153,6 +157,7 @@ class ReduceScatter(ReductionMode):
     """Comm-dtype buffer, one in-place reduce_scatter, the fused unpack of this rank's chunk."""
 
     name = "reduce_scatter"
+    unpacks_pieces = True
 
     def averaging(self, average, world_size, dtype, group, device) -> comm.Averaging:
         if not average:
@@ -214,7 +219,7 @@ class ExactSum(ReductionMode):
         return comm.all_to_all(views.received, views.input, group=group, async_op=True, collectives=collectives)
 
     def unpack(self, b, received, shard, accumulate, collect_stats) -> Any:
-        return b.wire_kernels.sum_sources(
+        return b.unpack_wire_kernels.sum_sources(
             received, b.layout.world_size, shard, b.unpack_scale, accumulate, collect_stats
         )
 
@@ -264,7 +269,7 @@ class QuantizedWire(ReductionMode):
         return comm.all_to_all(views.received, views.input, group=group, async_op=True, collectives=collectives)
 
     def unpack(self, b, received, shard, accumulate, collect_stats) -> Any:
-        return b.wire_kernels.dequantize_sum(
+        return b.unpack_wire_kernels.dequantize_sum(
             received, b.layout.world_size, self.block, self.name, shard, b.unpack_scale, accumulate, collect_stats
         )
 
@@ -321,6 +326,7 @@ class TwoStageReduceScatter(ReduceScatter):
     """Comm-dtype buffer in the two-stage order: reduce_scatter in the node, then over the rail; in place."""
 
     name = "2d_reduce_scatter"
+    unpacks_pieces = True
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
@@ -391,6 +397,8 @@ class HierarchicalQuantized(TwoStageReduceScatter):
     """Node stage in the comm dtype, then one quantize of the node-reduced chunk, an int8/fp8 all_to_all over
     the rail, and dequantize + fp32 sum in the unpack."""
 
+    unpacks_pieces = False
+
     def __init__(self, topology: Topology, name: str, kind: str, block: int, error_feedback: bool) -> None:
         super().__init__(topology)
         self.name = name
@@ -445,7 +453,7 @@ class HierarchicalQuantized(TwoStageReduceScatter):
         return StagedWork(self._node_stage(b, views, collectives), rail)
 
     def unpack(self, b, received, shard, accumulate, collect_stats) -> Any:
-        return b.wire_kernels.dequantize_sum(
+        return b.unpack_wire_kernels.dequantize_sum(
             received, self.topology.num_nodes, self.block, self.kind, shard, b.unpack_scale, accumulate, collect_stats
         )
 
@@ -462,6 +470,8 @@ class PartialViews:
 
 class HierarchicalExact(TwoStageReduceScatter):
     """Comm-dtype all_to_all in the node, fp32 node partials, fp32 all_to_all over the rail; fixed-order fp32 sums."""
+
+    unpacks_pieces = False
 
     name = "hier_exact"
 
@@ -497,7 +507,7 @@ class HierarchicalExact(TwoStageReduceScatter):
         return StagedWork(first, rail)
 
     def unpack(self, b, received, shard, accumulate, collect_stats) -> Any:
-        return b.wire_kernels.sum_sources(
+        return b.unpack_wire_kernels.sum_sources(
             received, self.topology.num_nodes, shard, b.unpack_scale, accumulate, collect_stats
         )
 
@@ -515,6 +525,8 @@ class RequantizedViews:
 
 class QuantizedTwoStage(TwoStageReduceScatter):
     """int8/fp8 all_to_alls in both stages, dequantize + fp32 sum + requantize between them (ZeRO++ qgZ)."""
+
+    unpacks_pieces = False
 
     def __init__(self, topology: Topology, name: str, kind: str, block: int, error_feedback: bool) -> None:
         super().__init__(topology)
@@ -582,6 +594,6 @@ class QuantizedTwoStage(TwoStageReduceScatter):
         return StagedWork(first, rail)
 
     def unpack(self, b, received, shard, accumulate, collect_stats) -> Any:
-        return b.wire_kernels.dequantize_sum(
+        return b.unpack_wire_kernels.dequantize_sum(
             received, self.topology.num_nodes, self.block, self.kind, shard, b.unpack_scale, accumulate, collect_stats
         )

@@ -67,10 +67,11 @@ class ModeEntry:
         return len(self.stages) == 2
 
 
-def _flat(
-    name: str, cls: type[ReductionMode], stage: Stage, kind: str | None, summary: str, zero=(1, 2, 3)
-) -> ModeEntry:
-    return ModeEntry(name, cls, (stage,), frozenset(zero), kind, summary)
+_EVERY_STAGE = frozenset((1, 2, 3))  # every ZeRO stage's integration serves every mode
+
+
+def _flat(name: str, cls: type[ReductionMode], stage: Stage, kind: str | None, summary: str) -> ModeEntry:
+    return ModeEntry(name, cls, (stage,), _EVERY_STAGE, kind, summary)
 
 
 _RS = Stage("reduce_scatter", "comm", "reduce_scatter")
@@ -84,20 +85,20 @@ def _wire(kind: str) -> Stage:
 
 MODES: tuple[ModeEntry, ...] = (
     _flat("reduce_scatter", ReduceScatter, _RS, None, "one reduce_scatter of the comm dtype, in place"),
-    _flat("exact", ExactSum, _A2A, None, "one all_to_all of the comm dtype, fp32 sums in rank order", zero=(1, 2)),
-    _flat("int8", QuantizedWire, _wire("int8"), "int8", "fused pack-quantize, one all_to_all of the int8 wire", zero=(1, 2)),
-    _flat("fp8", QuantizedWire, _wire("fp8"), "fp8", "fused pack-quantize, one all_to_all of the fp8 wire", zero=(1, 2)),
-    ModeEntry("2d_reduce_scatter", TwoStageReduceScatter, (_RS, _RS), frozenset((1, 2, 3)), None,
+    _flat("exact", ExactSum, _A2A, None, "one all_to_all of the comm dtype, fp32 sums in rank order"),
+    _flat("int8", QuantizedWire, _wire("int8"), "int8", "fused pack-quantize, one all_to_all of the int8 wire"),
+    _flat("fp8", QuantizedWire, _wire("fp8"), "fp8", "fused pack-quantize, one all_to_all of the fp8 wire"),
+    ModeEntry("2d_reduce_scatter", TwoStageReduceScatter, (_RS, _RS), _EVERY_STAGE, None,
               "reduce_scatter in the node, then over the rail"),
-    ModeEntry("hier_exact", HierarchicalExact, (_A2A, _FP32), frozenset((1, 2)), None,
+    ModeEntry("hier_exact", HierarchicalExact, (_A2A, _FP32), _EVERY_STAGE, None,
               "all_to_all in the node, fp32 partials all_to_all over the rail: fixed-order fp32 sums"),
-    ModeEntry("hier_int8", HierarchicalQuantized, (_RS, _wire("int8")), frozenset((1, 2)), "int8",
+    ModeEntry("hier_int8", HierarchicalQuantized, (_RS, _wire("int8")), _EVERY_STAGE, "int8",
               "reduce_scatter in the node, the int8 wire over the rail"),
-    ModeEntry("hier_fp8", HierarchicalQuantized, (_RS, _wire("fp8")), frozenset((1, 2)), "fp8",
+    ModeEntry("hier_fp8", HierarchicalQuantized, (_RS, _wire("fp8")), _EVERY_STAGE, "fp8",
               "reduce_scatter in the node, the fp8 wire over the rail"),
-    ModeEntry("qgz_int8", QuantizedTwoStage, (_wire("int8"), _wire("int8")), frozenset((1, 2)), "int8",
+    ModeEntry("qgz_int8", QuantizedTwoStage, (_wire("int8"), _wire("int8")), _EVERY_STAGE, "int8",
               "int8 wire in the node, requantize, int8 wire over the rail (ZeRO++ qgZ)"),
-    ModeEntry("qgz_fp8", QuantizedTwoStage, (_wire("fp8"), _wire("fp8")), frozenset((1, 2)), "fp8",
+    ModeEntry("qgz_fp8", QuantizedTwoStage, (_wire("fp8"), _wire("fp8")), _EVERY_STAGE, "fp8",
               "fp8 wire in the node, requantize, fp8 wire over the rail"),
 )  # fmt: skip
 

@@ -55,6 +55,9 @@ class FlatgradConfig:
             ``LOCAL_WORLD_SIZE`` where that is set (checked on every rank when the reducers are built).
         announce: print the take-over line (stage, sub-groups, buckets, method) on rank 0's stderr;
             ``FLATGRAD_QUIET=1`` silences it too.
+        reduction_key: not a section key: the config key that chose ``reduction``, named in the take-over
+            line and in errors (``flatgrad.reduction`` when the section sets it, DeepSpeed's
+            ``zero_optimization.zero_quantized_gradients`` when that key engaged ``qgz_int8``; ``None``: the default).
     """
 
     enabled: bool = True
@@ -68,19 +71,20 @@ class FlatgradConfig:
     error_feedback: bool = False
     node_size: int | None = None
     announce: bool = True
+    reduction_key: str | None = None
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "FlatgradConfig":
         """Validate a ``"flatgrad"`` section; every error names the key."""
         section = _renamed(dict(section or {}))
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"reduction_key"}
         unknown = sorted(set(section) - known)
         if unknown:
             raise UnsupportedConfigError(f"unknown key(s) {unknown} in the '{SECTION}' config section; known: {sorted(known)}")
         numel = section.get("bucket_numel")
         if isinstance(numel, float) and numel.is_integer():  # JSON configs write sizes as 5e8
             section["bucket_numel"] = int(numel)
-        cfg = cls(**section)
+        cfg = cls(**section, reduction_key=f"{SECTION}.reduction" if "reduction" in section else None)
         if not isinstance(cfg.enabled, bool):
             raise UnsupportedConfigError(f"'{SECTION}.enabled' must be true or false, got {cfg.enabled!r}")
         if cfg.backend is not None:

@@ -7,7 +7,9 @@ may carry a ``"flatgrad"`` section, which DeepSpeed never sees. Routing:
 * every stage: ``support.check_supported`` refuses what flatgrad does not take over;
 * ZeRO stage 1 or 2 -> ``zero2``: the optimizer is built over bucket-sized
   sub-groups (``zero2.prepare``), then the reduce path is installed.
-* ZeRO stage 3 -> ``zero3.install`` after DeepSpeed built the engine.
+* ZeRO stage 3 -> ``zero3.install`` after DeepSpeed built the engine; DeepSpeed's qgZ key
+  (``zero_optimization.zero_quantized_gradients``) runs flatgrad's ``qgz_int8`` and leaves the
+  config DeepSpeed sees (``support.take_over_qgz``).
 * anything else (stage 0, an unsupported feature) raises
   ``UnsupportedConfigError`` naming the feature and the key; under
   ``patch()`` such configs pass through to stock DeepSpeed instead, with one
@@ -33,7 +35,7 @@ from .config import (
     split_config,
 )
 from .original import original_initialize
-from .support import check_supported, config_value, zero_stage
+from .support import check_supported, config_value, take_over_qgz, zero_stage
 
 __all__ = ["QUIET_VAR", "Route", "initialize", "route", "run", "stock_arguments"]
 
@@ -145,6 +147,7 @@ def route(*args: Any, **kwargs: Any) -> Route:
     """Decide the route of one ``deepspeed.initialize(*args, **kwargs)`` call; raise if flatgrad cannot take it."""
     arguments = _bind(args, kwargs)
     ds_config, flatgrad_config = split_config(_take_config(arguments))
+    flatgrad_config = take_over_qgz(ds_config, flatgrad_config)
     arguments["config"] = ds_config
     if not flatgrad_config.enabled:
         return Route("stock", arguments, ds_config, flatgrad_config, "the 'flatgrad.enabled' config key is false")

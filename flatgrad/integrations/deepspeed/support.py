@@ -5,16 +5,23 @@ raises, the ``FLATGRAD_DEEPSPEED=1`` patch warns and hands it to stock), with an
 ``UnsupportedConfigError`` that names every refused feature and its config key.
 Refusals that depend on the call rather than the config (an LR scheduler bound
 to the optimizer, a ZeRO-3 engine without an optimizer) live in ``initialize``.
+DeepSpeed's qgZ key is taken over rather than refused (``take_over_qgz``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Mapping
 
-from .config import UnsupportedConfigError, offload_device
+from .config import FlatgradConfig, UnsupportedConfigError, offload_device
 
-__all__ = ["REFUSALS", "Refusal", "check_supported", "config_value", "refusals", "zero_stage"]
+__all__ = [
+    "QGZ_KEY", "REFUSALS", "Refusal", "check_supported", "config_value", "refusals", "take_over_qgz", "zero_stage",
+]  # fmt: skip
+
+# DeepSpeed's ZeRO++ qgZ switch: under ZeRO-3, flatgrad serves it with its own qgz_int8.
+QGZ_KEY = "zero_optimization.zero_quantized_gradients"
 
 _MUON_OPTIMIZERS = ("muon", "muonwithauxadam", "muadam", "muadamw", "musgd")
 _COMM_DTYPES = ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16")
@@ -142,11 +149,6 @@ REFUSALS: tuple[Refusal, ...] = (
         _comm_dtype,
     ),
     Refusal(
-        "zero_optimization.zero_quantized_gradients", (3,), "qgZ quantized gradients",
-        "DeepSpeed reduces them with its own quantized all-to-all; see the \"flatgrad\" reduction modes",
-        _truthy("zero_optimization.zero_quantized_gradients"),
-    ),
-    Refusal(
         "zero_optimization.reduce_scatter", (3,), "all-reduce gradient averaging",
         "flatgrad's ZeRO-3 path always reduce-scatters; remove the key",
         lambda c: False if config_value(c, "zero_optimization.reduce_scatter", True) is False else None,
@@ -171,3 +173,23 @@ def check_supported(ds_config: Mapping[str, Any]) -> None:
         raise UnsupportedConfigError(
             f"flatgrad's ZeRO-{zero_stage(ds_config)} backend does not support: " + "; ".join(found)
         )
+
+
+def take_over_qgz(ds_config: dict, config: FlatgradConfig) -> FlatgradConfig:
+    """Serve DeepSpeed's qgZ key (``QGZ_KEY``) under ZeRO-3 with flatgrad's ``qgz_int8``, node size from the launcher.
+
+    The key leaves ``ds_config`` (in place), so that DeepSpeed makes no qgZ groups of its own; an explicit
+    ``flatgrad.reduction`` wins over it, with one warning. Other stages, a false key, or flatgrad disabled:
+    ``config`` and ``ds_config`` unchanged.
+    """
+    if not config.enabled or zero_stage(ds_config) != 3 or not config_value(ds_config, QGZ_KEY):
+        return config
+    ds_config["zero_optimization"].pop("zero_quantized_gradients")
+    if config.reduction_key is not None:
+        warnings.warn(
+            f"flatgrad: '{config.reduction_key}' = {config.reduction!r} wins over '{QGZ_KEY}' = true; DeepSpeed's "
+            "qgZ is not run",
+            stacklevel=3,
+        )
+        return config
+    return dataclasses.replace(config, reduction="qgz_int8", reduction_key=QGZ_KEY)

@@ -47,12 +47,11 @@ class Zero3Offload:
             CPU accelerator), so that tests and benches run and measure the accelerator's path on a host.
     """
 
-    def __init__(self, optimizer: Any, accelerator: Any, dist: Any, comm_dtype: torch.dtype | None) -> None:
+    def __init__(self, optimizer: Any, accelerator: Any, dist: Any) -> None:
         self.optimizer = optimizer
         self.enabled = bool(optimizer.offload_optimizer)
         self._accelerator = accelerator
         self._dist = dist
-        self._comm_dtype = comm_dtype
         self._runs: dict[tuple, _OffloadRuns] = {}
         self._staging: list[torch.Tensor | None] = [None, None]
         self._staged: deque = deque()  # (event, slot, comp, staged, micro_step, boundary), oldest first
@@ -83,11 +82,8 @@ class Zero3Offload:
         largest = max((p.ds_numel for p in params), default=0)
         return -(-max(opt.reduce_bucket_size, largest) // world_size) + len(params)
 
-    def allocate_staging(self) -> None:
-        """The two pinned staging buffers of the staged transfer, in the widest comm dtype the buckets use."""
-        opt = self.optimizer
-        itemsize = max(torch.empty(0, dtype=self._comm_dtype or d).element_size() for d in opt.ipg_buckets)
-        nbytes = self.staging_numel() * itemsize
+    def allocate_staging(self, nbytes: int) -> None:
+        """The two pinned staging buffers of the staged transfer, ``nbytes`` each (the largest ``received``)."""
         self._staging = [self._accelerator.pin_memory(torch.empty(nbytes, dtype=torch.uint8)) for _ in range(2)]
 
     def stages(self, segment: torch.Tensor, partitions_device: torch.device) -> bool:
@@ -106,7 +102,8 @@ class Zero3Offload:
         return slot
 
     def stage(self, slot: int, comp: Composition, segment: torch.Tensor, micro_step: int, boundary: bool) -> None:
-        """One asynchronous copy of ``segment`` into staging buffer ``slot``, queued until its event completes."""
+        """One asynchronous copy of ``segment`` (what arrived: a reduced segment, the sources, or wire bytes) into
+        staging buffer ``slot``, queued until its event completes."""
         nbytes = segment.numel() * segment.element_size()
         buffer = self._staging[slot]
         if buffer is None or buffer.numel() < nbytes:

@@ -13,12 +13,14 @@ from typing import Any, Sequence
 import torch
 
 from .... import comm
-from ....kernels import host_backend
+from ....kernels import host_backend, resolve_backend
 from ....layout import Layout
-from ....reducer import Bucket, ReduceScatter, ReductionMode
+from ....reducer import Bucket, ReduceScatter, ReductionMode, registry
+from .checkpoint import Zero3Residuals
 from .composition import Composition
 from ..collectives import deepspeed_collectives
 from ..config import FlatgradConfig
+from ..support import QGZ_KEY
 from .offload import Zero3Offload
 from .stats import Zero3Stats
 
@@ -39,6 +41,7 @@ class Zero3Reduction:
         compositions: ``{(comm_dtype, ds_ids): Composition}``, one per bucket composition seen.
         offload: the optimizer offload's staging and boundary copies (``Zero3Offload``).
         stats: the step's norm and overflow from the unpacks (``Zero3Stats``).
+        residuals: the error-feedback residuals as checkpoints save and load them (``Zero3Residuals``).
     """
 
     def __init__(self, optimizer: Any, config: FlatgradConfig, mode: ReductionMode | None = None) -> None:
@@ -55,17 +58,23 @@ class Zero3Reduction:
         self._collectives = deepspeed_collectives()
         self.mode: ReductionMode = mode if mode is not None else ReduceScatter()
         self._outs: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
-        self.offload = Zero3Offload(optimizer, self._accelerator, dist, self._comm_dtype)
+        self.offload = Zero3Offload(optimizer, self._accelerator, dist)
         self.stats = Zero3Stats(optimizer, self._accelerator, dist, offload=self.offload.enabled)
+        self.residuals = Zero3Residuals(optimizer, self.mode.describe(), self.mode.error_feedback)
 
     def describe(self) -> str:
-        """The take-over line: stage, sub-groups, buckets, reduction method, offload."""
+        """The take-over line: stage, sub-groups, buckets, reduction mode (and the key that chose it), offload."""
         opt = self.optimizer
+        unpack = "one fused unpack" if self.mode.unpacks_pieces else "one fused sum into an fp32 segment, its unpack"
         line = (
             f"flatgrad: ZeRO-3 gradient reduction taken over: {len(opt.fp16_groups)} sub-group(s), DeepSpeed's IPG "
             f"buckets of {opt.reduce_bucket_size} elements, per bucket one fused pack, {self._collective_words()}, "
-            f"one fused unpack into the {opt.gradient_accumulation_dtype} grad partitions"
+            f"{unpack} into the {opt.gradient_accumulation_dtype} grad partitions"
         )
+        if self.config.reduction_key == QGZ_KEY:
+            line += f"; DeepSpeed's qgZ ('{QGZ_KEY}') runs as flatgrad's {self.config.reduction}"
+            if self.mode.name != self.config.reduction:
+                line += f", which on one node (or one rank per node) is the flat {self.mode.name}"
         if self.offload.enabled:
             pinned = "pinned" if opt.offload_optimizer_pin_memory else "pageable"
             line += (
@@ -75,13 +84,34 @@ class Zero3Reduction:
         return line
 
     def _collective_words(self) -> str:
-        topology = getattr(self.mode, "topology", None)
-        if topology is None:
+        mode = self.mode
+        if mode.name == "reduce_scatter":
             return f"one reduce_scatter ({self._method})"
-        return (
-            f"{self.mode.name}: one reduce_scatter ({self._method}) in the node of {topology.local_size} rank(s), "
-            f"then one over the rail of {topology.num_nodes} node(s)"
-        )
+        topology = getattr(mode, "topology", None)
+        if mode.name == "2d_reduce_scatter":
+            return (
+                f"{mode.name}: one reduce_scatter ({self._method}) in the node of {topology.local_size} rank(s), "
+                f"then one over the rail of {topology.num_nodes} node(s)"
+            )
+        words = f"{mode.name} ({registry.entry(mode.name).summary}"
+        if mode.error_feedback:
+            words += ", with error feedback"
+        if topology is not None:
+            words += f"; node of {topology.local_size} rank(s), rail of {topology.num_nodes} node(s)"
+        return words + ")"
+
+    def staging_bytes(self) -> int:
+        """Bytes of the largest ``received`` any bucket can have (what the staged transfer moves): the comm-dtype
+        segment of ``Zero3Offload.staging_numel`` elements for the reduce_scatter modes; for the others the
+        mode's last pool buffer (its receive buffer) for a bucket of that segment."""
+        opt = self.optimizer
+        numel = self.offload.staging_numel()
+        world_size = self._dist.get_world_size(group=opt.dp_process_group)
+        comm_dtype = max((self._comm_dtype or d for d in opt.ipg_buckets), key=lambda d: d.itemsize)
+        if self.mode.unpacks_pieces:
+            return numel * comm_dtype.itemsize
+        _, n, dtype = self.mode.pool_slots([Layout.chunked([numel * world_size], world_size)], comm_dtype)[-1]
+        return n * dtype.itemsize
 
     def metadata_bytes(self) -> int:
         """Bytes kept besides gradients and buffers: the kernels' cached run tables, the buckets' plan tables
@@ -165,6 +195,7 @@ class Zero3Reduction:
         comp = self.compositions.get(key)
         if comp is None:
             comp = self.compositions[key] = self._build_composition(params, bucket_dtype)
+            self.residuals.restore(comp)  # a loaded checkpoint's residual of this composition
         return comp
 
     def _build_composition(self, params: Sequence[torch.nn.Parameter], bucket_dtype: torch.dtype) -> Composition:
@@ -188,16 +219,23 @@ class Zero3Reduction:
                     f"layout expects ceil({p.ds_numel}/{world_size}) = {chunk}"
                 )
         comm_dtype = self._comm_dtype or bucket_dtype
-        power_of_two = world_size & (world_size - 1) == 0
-        # x * (1/W) has the bits of x / W only for a power-of-two W, and only without a cast before it.
-        fused = power_of_two and all(p.dtype == comm_dtype for p in params)
+        mode = self.mode
+        if mode.packs_comm_buffer:
+            power_of_two = world_size & (world_size - 1) == 0
+            # x * (1/W) has the bits of x / W only for a power-of-two W, and only without a cast before it.
+            fused = power_of_two and all(p.dtype == comm_dtype for p in params)
+            averaging = comm.Averaging(dist.ReduceOp.SUM, 1.0 / world_size if fused else 1.0, 1.0)
+        else:
+            # The wire is not stock's bits anyway: 1/W is folded into the unpack's scale, as under ZeRO-1/2.
+            fused = True
+            averaging = comm.Averaging(dist.ReduceOp.SUM, 1.0, 1.0 / world_size)
+        device = torch.device(self._accelerator.current_device_name())
+        backend = getattr(resolve_backend(self.config.backend, device), "name", None)
         # A staged segment is unpacked on the host: its kernels are the host's, whatever runs the pack.
         staged = self.offload.enabled and self.offload.needs_staging()
         bucket = Bucket(
-            0, tuple(params), layout, rank, comm_dtype=comm_dtype,
-            averaging=comm.Averaging(self._dist.ReduceOp.SUM, 1.0 / world_size if fused else 1.0, 1.0),
-            method=self._method, backend=self.config.backend,
-            mode=self.mode, prescale=1.0, postscale=1.0, streams=None,
+            0, tuple(params), layout, rank, comm_dtype=comm_dtype, averaging=averaging, method=self._method,
+            backend=backend, mode=mode, prescale=1.0, postscale=1.0, streams=None,
             unpack_backend=host_backend(self.config.backend) if staged else None, divide=not fused,
         )  # fmt: skip
         pieces = layout.pieces(rank)
@@ -231,18 +269,14 @@ class Zero3Reduction:
         layout = comp.layout
         grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
         device = grads[0].device
-        ipg_buffer = bucket.buffer
-        if ipg_buffer is not None and ipg_buffer.dtype == comp.comm_dtype and ipg_buffer.device == device:
-            if ipg_buffer.numel() < layout.numel:
-                # A chunked layout pads every param to a multiple of W, and one param may exceed the
-                # bucket: grow the IPG buffer once to the largest layout seen, not a buffer per step.
-                if ipg_buffer.is_cuda:
-                    ipg_buffer.record_stream(torch.cuda.current_stream(device))
-                ipg_buffer = bucket.buffer = torch.empty(layout.numel, dtype=comp.comm_dtype, device=device)
-            buffer = ipg_buffer.narrow(0, 0, layout.numel)
-        else:
-            buffer = torch.empty(layout.numel, dtype=comp.comm_dtype, device=device)
-        segment = self._pack_and_reduce(comp, grads, buffer)
+        buffers = {
+            purpose: torch.empty(n, dtype=dtype, device=device)
+            for purpose, n, dtype in comp.bucket.mode.pool_slots([layout], comp.comm_dtype)
+            if purpose != "input"
+        }  # temporaries of this reduce only: on CUDA, the caching allocator reuses them
+        if comp.bucket.mode.packs_comm_buffer:
+            buffers["input"] = self._input_buffer(comp, bucket, device)
+        segment = self._pack_and_reduce(comp, grads, buffers)
         micro_step = self.optimizer.micro_step_id
         if not comp.ds_ids:
             self.stats.add(micro_step, comp, None)  # nothing here, but the bucket was reduced
@@ -255,10 +289,27 @@ class Zero3Reduction:
             self._host_side(comp, segment, micro_step, self.offload.enabled and opt.is_gradient_accumulation_boundary())
             self.offload.count_direct_transfer()
 
-    def _pack_and_reduce(self, comp: Composition, grads: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
-        """Pack ``grads`` into ``buffer``, run the bucket's collective and wait: this rank's reduced segment,
-        a view of ``buffer``."""
-        flight = comp.bucket.reduce(grads, comp.group, self._collectives, buffers={"input": buffer})
+    @staticmethod
+    def _input_buffer(comp: Composition, bucket: Any, device: torch.device) -> torch.Tensor:
+        """The comm-dtype buffer the pack writes: the IPG buffer, grown to the layout where it is short."""
+        layout = comp.layout
+        ipg_buffer = bucket.buffer
+        if ipg_buffer is None or ipg_buffer.dtype != comp.comm_dtype or ipg_buffer.device != device:
+            return torch.empty(layout.numel, dtype=comp.comm_dtype, device=device)
+        if ipg_buffer.numel() < layout.numel:
+            # A chunked layout pads every param to a multiple of W, and one param may exceed the
+            # bucket: grow the IPG buffer once to the largest layout seen, not a buffer per step.
+            if ipg_buffer.is_cuda:
+                ipg_buffer.record_stream(torch.cuda.current_stream(device))
+            ipg_buffer = bucket.buffer = torch.empty(layout.numel, dtype=comp.comm_dtype, device=device)
+        return ipg_buffer.narrow(0, 0, layout.numel)
+
+    def _pack_and_reduce(
+        self, comp: Composition, grads: list[torch.Tensor], buffers: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """Pack ``grads`` into ``buffers``, run the bucket's collective and wait: what arrived (this rank's reduced
+        segment for the reduce_scatter modes, a view of the input; the sources or the wire for the others)."""
+        flight = comp.bucket.reduce(grads, comp.group, self._collectives, buffers=buffers)
         flight.wait()
         return flight.received
 
@@ -266,10 +317,22 @@ class Zero3Reduction:
         self, comp: Composition, segment: torch.Tensor, outs: list[torch.Tensor], accumulate: bool
     ) -> torch.Tensor | None:
         """Unpack ``segment`` into ``outs`` (add when ``accumulate``): the ``[sum_sq, nonfinite]`` of what it wrote."""
-        return comp.bucket.unpack(segment, outs, accumulate, True)
+        b = comp.bucket
+        if b.mode.unpacks_pieces:
+            return b.unpack(segment, outs, accumulate, True)
+        return b.unpack_plan_for(outs)(segment, outs, scale=1.0, accumulate=accumulate, return_stats=True)
 
-    def _host_side(self, comp: Composition, segment: torch.Tensor, micro_step: int, boundary: bool) -> None:
-        """Unpack ``segment`` into the grad partitions (copy on micro-step 0, add after); then the boundary's work."""
+    def _host_side(self, comp: Composition, received: torch.Tensor, micro_step: int, boundary: bool) -> None:
+        """Unpack ``received`` into the grad partitions (copy on micro-step 0, add after); then the boundary's work.
+
+        A mode that sums sources or dequantizes a wire writes one contiguous shard: it sums into one fp32 segment,
+        which the per-piece unpack then writes as it writes a reduce_scatter's (see [Note: ZeRO-3 reduce path]).
+        """
+        b = comp.bucket
+        segment = received
+        if not b.mode.unpacks_pieces:
+            segment = torch.empty(comp.layout.shard_numel, dtype=torch.float32, device=received.device)
+            b.unpack(received, segment, False, False)
         outs = self._grad_partitions(comp)
         out_dtype = outs[0].dtype
         if segment.dtype != out_dtype and out_dtype != torch.float32:

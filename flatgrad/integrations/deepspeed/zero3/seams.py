@@ -8,6 +8,7 @@ replacements and hands over to ``Zero3Reduction``. See [Note: ZeRO-3 two-stage r
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from ....reducer import ReducerConfig, ReduceScatter, ReductionMode, plan_mode, registry
 from ..config import FlatgradConfig, UnsupportedConfigError, deepspeed_version, offload_device
 from ..support import config_value
+from ..zero2.checkpoint import RESIDUALS_KEY
 from .reduction import GRAD_PARTITIONS, Zero3Reduction
 
 __all__ = ["ATTRIBUTE", "ZERO3_REDUCTIONS", "Zero3Seams", "check_offload", "install", "raise_on_every_rank",
@@ -34,7 +36,7 @@ _GRAD_WRITERS = ("set_fp32_grad_for_param", "set_local_grad_for_param", "update_
 _METHODS = ("get_param_comm_dtype", "_get_param_partition_group", "_assert_same_partition_group",
             "_gradient_averaging_world_size", "_get_norm_groups", "has_overflow", "step", "zero_grad",
             "independent_gradient_partition_epilogue", "is_gradient_accumulation_boundary", "get_param_id",
-            "_constant_buffered_norm2") + _GRAD_WRITERS
+            "_constant_buffered_norm2", "state_dict", "load_state_dict") + _GRAD_WRITERS
 _STATE = ("ipg_buckets", "param_reduce_events", "max_param_reduce_events", "reduce_and_partition_stream",
           "micro_step_id", "grad_partitions_flat_buffer", "_offload_boundary_param_ids", "enable_sanity_checks",
           "fp16_groups", "dp_process_group", "model_parallel_group", "offload_optimizer")
@@ -47,7 +49,8 @@ class Zero3Seams:
     """The methods flatgrad replaces on one ZeRO-3 optimizer instance, with stock's that the replacements call.
 
     The two IPG seams go to the ``Zero3Reduction``; the step's norm and overflow to its stats, falling back to
-    stock's where the stats do not serve; ``step``, ``zero_grad``, the epilogue and the grad writers are wrapped.
+    stock's where the stats do not serve; ``step``, ``zero_grad``, the epilogue, the grad writers and the
+    checkpoint's ``state_dict`` / ``load_state_dict`` (the error-feedback residuals) are wrapped.
     """
 
     def __init__(self, optimizer: Any, reduction: Zero3Reduction) -> None:
@@ -58,6 +61,8 @@ class Zero3Seams:
         self._stock_step = optimizer.step
         self._stock_zero_grad = optimizer.zero_grad
         self._stock_epilogue = optimizer.independent_gradient_partition_epilogue
+        self._stock_state_dict = optimizer.state_dict
+        self._stock_load_state_dict = optimizer.load_state_dict
         self._stock_writers = {name: getattr(optimizer, name) for name in _GRAD_WRITERS}
 
     def bind(self) -> None:
@@ -70,6 +75,8 @@ class Zero3Seams:
         opt.step = self.step
         opt.zero_grad = self.zero_grad
         opt.independent_gradient_partition_epilogue = self.independent_gradient_partition_epilogue
+        opt.state_dict = self.state_dict
+        opt.load_state_dict = self.load_state_dict
         for name, method in self._stock_writers.items():
             setattr(opt, name, self._edits_grads(method))
 
@@ -100,6 +107,29 @@ class Zero3Seams:
         """Wraps stock's epilogue: after it (and its wait for the reduce stream), every staged bucket is unpacked."""
         self._stock_epilogue()
         self.reduction.drain(everything=True)
+
+    def state_dict(self) -> dict:
+        """Wraps ``state_dict``: stock's, plus the compositions' error-feedback residuals where there are any."""
+        sd = self._stock_state_dict()
+        saved = self.reduction.residuals.state(self.reduction.compositions.values())
+        if saved is not None:
+            sd[RESIDUALS_KEY] = saved
+        return sd
+
+    def load_state_dict(self, state_dict_list: Any, *args: Any, **kwargs: Any) -> Any:
+        """Wraps ``load_state_dict``: after stock's load, this rank's saved residuals (kept pending for the
+        compositions not built yet); a universal checkpoint (``checkpoint_folder``) carries none."""
+        import torch.distributed as tdist
+
+        bound = inspect.signature(self._stock_load_state_dict).bind(state_dict_list, *args, **kwargs)
+        universal = bool(bound.arguments.get("checkpoint_folder"))
+        mine = None
+        if not universal and state_dict_list:
+            mine = state_dict_list[tdist.get_rank(self.optimizer.dp_process_group)].get(RESIDUALS_KEY)
+        result = self._stock_load_state_dict(state_dict_list, *args, **kwargs)
+        source = "universal checkpoint" if universal else "checkpoint"
+        self.reduction.residuals.load(mine, self.reduction.compositions.values(), source)
+        return result
 
     def _edits_grads(self, method: Any) -> Any:
         """Wraps a DeepSpeed method that writes grad partitions (``safe_set_full_grad`` and kin): a partition
@@ -182,7 +212,8 @@ def _check_engine(engine: Any) -> Any:
         raise UnsupportedConfigError("flatgrad's ZeRO-3 backend does not support ZenFlow (zero_optimization.zenflow)")
     if opt.all2all_process_group is not None:
         raise UnsupportedConfigError(
-            "flatgrad's ZeRO-3 backend does not support qgZ (zero_optimization.zero_quantized_gradients)"
+            "the engine was built with DeepSpeed's own qgZ ('zero_optimization.zero_quantized_gradients'); build it "
+            "with flatgrad.deepspeed.initialize, which serves that key with flatgrad's qgz_int8"
         )
     if any(getattr(p, "ds_zero_placement_family", None) == "autoep_expert" for g in opt.fp16_groups for p in g):
         raise UnsupportedConfigError("flatgrad's ZeRO-3 backend does not support AutoEP (expert_parallel.enabled)")
@@ -223,8 +254,9 @@ def _resize_ipg_buffers(opt: Any, config: FlatgradConfig) -> None:
             bucket.buffer = torch.empty(want[0], dtype=want[1], device=buffer.device)
 
 
-def _partition_members(opt: Any) -> tuple[Any, tuple[int, ...]]:
-    """The one partition group of the trainable parameters, with its members' global ranks; else refused."""
+def _partition_members(opt: Any, key: str, reduction: str) -> tuple[Any, tuple[int, ...]]:
+    """The one partition group of the trainable parameters, with its members' global ranks; else refused, naming
+    ``key``, the config key that asked for ``reduction``."""
     import torch.distributed as tdist
 
     groups: dict[tuple[int, ...], Any] = {}
@@ -233,15 +265,16 @@ def _partition_members(opt: Any) -> tuple[Any, tuple[int, ...]]:
         groups.setdefault(tuple(tdist.get_process_group_ranks(group)), group)
     if len(groups) != 1:
         raise UnsupportedConfigError(
-            f"'flatgrad.reduction' = '2d_reduce_scatter' under ZeRO-3 needs one partition group for every trainable "
-            f"parameter; this model has {len(groups)} (MoE or MiCS): use 'reduce_scatter'"
+            f"{key} asks for {reduction!r}, a two-stage reduction, which under ZeRO-3 needs one partition group for "
+            f"every trainable parameter; this model has {len(groups)} (MoE or MiCS): use a flat reduction "
+            f"('flatgrad.reduction' = 'reduce_scatter', 'exact', 'int8' or 'fp8')"
         )
     members, group = next(iter(groups.items()))
     return group, members
 
 
 def reduction_mode(opt: Any, config: FlatgradConfig) -> ReductionMode:
-    """The buckets' mode: ``reduce_scatter``, or the two-stage one with its node and rail groups made once.
+    """The buckets' mode: a flat one, or a two-stage one with its node and rail groups made once.
 
     Every rank exchanges its placement (or its error) before any group is made, so a bad or differing
     ``node_size`` raises on every rank instead of hanging: see [Note: ZeRO-3 two-stage reduction].
@@ -255,22 +288,30 @@ def reduction_mode(opt: Any, config: FlatgradConfig) -> ReductionMode:
         )
     import torch.distributed as tdist
 
-    group, _ = _partition_members(opt)
+    wanted = ReducerConfig(
+        reduction=config.reduction, block=config.block, error_feedback=config.error_feedback,
+        node_size=config.node_size,
+    )  # fmt: skip
+    if not registry.entry(config.reduction).two_stage:
+        return plan_mode(wanted, opt.dp_process_group).mode
+    key = f"'{config.reduction_key or 'flatgrad.reduction'}'"
+    group, _ = _partition_members(opt, key, config.reduction)
     rank = tdist.get_rank(group)
     planned, error = None, None
     try:
-        planned = plan_mode(ReducerConfig(reduction=config.reduction, node_size=config.node_size), group, "'flatgrad.node_size'")
+        planned = plan_mode(wanted, group, "'flatgrad.node_size'")
     except ValueError as exc:
         error = str(exc)
     node_sizes = raise_on_every_rank(
         group, error, None if planned is None or planned.topology is None else planned.topology.node_size,
-        what="flatgrad's ZeRO-3 two-stage reduction failed", key="'flatgrad.node_size'",
+        what=f"flatgrad's ZeRO-3 two-stage reduction ({key} = {config.reduction!r}) failed",
+        key="'flatgrad.node_size'",
     )  # fmt: skip
     sizes = dict(enumerate(node_sizes))
     if len(set(sizes.values())) != 1:
         raise UnsupportedConfigError(
-            f"the ranks disagree on 'flatgrad.node_size' (per rank: {sizes}; this is rank {rank}): every rank must "
-            "place the ranks on the same nodes"
+            f"the ranks disagree on 'flatgrad.node_size' (per rank: {sizes}; this is rank {rank}) for {key} = "
+            f"{config.reduction!r}: every rank must place the ranks on the same nodes"
         )
     planned.mode.connect()
     return planned.mode
@@ -280,17 +321,18 @@ def _agree_on_staging(reduction: Zero3Reduction) -> None:
     """Allocate the staging buffers where the grads are not in host memory; every rank learns of any rank's
     failure (one exchange at install), so all raise instead of the others hanging in the first reduce_scatter."""
     offload = reduction.offload
+    nbytes = reduction.staging_bytes()
     error = None
     if offload.needs_staging():
         try:
-            offload.allocate_staging()
+            offload.allocate_staging(nbytes)
         except (RuntimeError, MemoryError) as exc:
             error = f"{type(exc).__name__}: {exc}"
     raise_on_every_rank(
         reduction.optimizer.dp_process_group, error, None,
         what=(
             f"flatgrad's ZeRO-3 optimizer offload could not allocate its pinned host staging buffers (2 x "
-            f"{offload.staging_numel()} elements of the comm dtype)"
+            f"{nbytes} bytes)"
         ),
         key="'zero_optimization.offload_optimizer'",
         advice="; lower 'zero_optimization.reduce_bucket_size' or free host memory",
