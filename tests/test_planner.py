@@ -534,3 +534,46 @@ def test_plan_command_modes_table_json_and_png(tmp_path, capsys) -> None:
     assert "\nreduce_scatter " in text and "\nexact " in text and "\nint8 " not in text and "qgz_int8" not in text
     with pytest.raises(SystemExit):
         cli.main(["plan", "gpt", "--modes", "int4"])
+
+
+# --------------------------------------------------------------------------- ZeRO-3 under every reduction mode
+
+
+def _zero3_modes_rank(rank: int, world_size: int, modes: tuple[str, ...]) -> dict[str, list[tuple]]:
+    """Per mode, flatgrad ZeRO-3's gradient collectives in one real backward, on ranks placed as 2 nodes of 2."""
+    import warnings
+
+    from flatgrad import deepspeed as flatgrad_ds
+
+    _ds.as_nodes(rank, 2)
+    name, kwargs = CASE_MODELS["mlp"]
+    out = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        model = models.build(name, "cpu", **kwargs)
+        config = _ds.ds_config(3, world_size=world_size, bucket=BUCKET["mlp"], flatgrad={"reduction": mode})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine, *_ = flatgrad_ds.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+        loss = engine(*_batch(model, rank))
+        with CollectiveRecorder(_TRACED) as tracer:
+            engine.backward(loss)
+        engine.destroy()
+        grads = {"reduce_scatter": "reduce_scatter", "grad_all_to_all": "all_to_all", "all_to_all": "all_to_all"}
+        out[mode] = [(grads[c.op], c.numel, c.dtype, c.group) for c in tracer.calls if c.op in grads]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_zero3_plan_of_every_mode_equals_the_counted_calls_and_bytes() -> None:
+    """The planner prices ZeRO-3 under every registered mode: its calls, element counts (wire bytes for the
+    quantized stages), dtypes and groups equal the ones a real flatgrad ZeRO-3 backward issues, per rank."""
+    from flatgrad.planner.cost import MODES
+
+    spec = models.load(CASE_MODELS["mlp"][0], zero3=True, **CASE_MODELS["mlp"][1])
+    for rank, counted in enumerate(_ds.launch(_zero3_modes_rank, 4, MODES, timeout=280)):
+        for mode in MODES:
+            plan = flatgrad_zero3(spec, 4, bucket_numel=BUCKET["mlp"], rank=rank, reduction=mode, gpus_per_node=2)
+            planned = [(c.op, c.numel, str(c.dtype).replace("torch.", ""), tuple(c.group)) for c in plan.calls]
+            assert counted[mode], (mode, rank)
+            assert sorted(counted[mode]) == sorted(planned), f"{mode} rank {rank}:\ncounted {counted[mode]}\nplanned {planned}"

@@ -100,7 +100,8 @@ def test_unknown_modes_and_options_name_their_key():
 
 @pytest.mark.parametrize("bench", ["reduction_modes", "reduction_error", "hierarchical"])
 def test_every_mode_bench_covers_every_registered_mode(bench):
-    """A new mode is benched as soon as it is registered: each mode table names registered modes only, all of them."""
+    """A new mode is benched as soon as it is registered (the tables add a row for any registered mode they do not
+    name), and every row names a registered mode."""
     import importlib
 
     table = importlib.import_module(f"flatgrad.bench.{bench}").MODES

@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from ..reducer import registry
+
 MODES = {
     "fp32": {"comm_dtype": torch.float32},
     "bf16_reduce_scatter": {"comm_dtype": torch.bfloat16},
@@ -46,6 +48,11 @@ MODES = {
     "qgz_int8_fp32": {"comm_dtype": torch.float32, "reduction": "qgz_int8"},  # the wire quantized from an fp32 pack
     "qgz_fp8": {"comm_dtype": torch.bfloat16, "reduction": "qgz_fp8"},
 }
+# A registered mode without a row of its own above is measured as it comes (bf16 communication).
+MODES.update({
+    name: {"comm_dtype": torch.bfloat16, "reduction": name} for name in registry.names()
+    if name not in {row.get("reduction", "reduce_scatter") for row in MODES.values()}
+})  # fmt: skip
 
 
 def _rank(rank: int, world_size: int, batches: int, bucket: int, modes: list[str], node_size: int) -> dict:

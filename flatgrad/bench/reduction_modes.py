@@ -48,6 +48,8 @@ import time
 
 import torch
 
+from ..reducer import registry
+
 VOCAB, D, LAYERS, HEADS, SEQ = 4096, 256, 5, 4, 32
 ACTIVE = 512  # tokens the data use: few enough that a few hundred steps learn their bigrams
 
@@ -73,6 +75,11 @@ MODES = {
     "fp32_perturbed": {"comm_dtype": "fp32"},
     "fp32_seed1": {"comm_dtype": "fp32"},
 }
+# A registered mode without a row of its own above is benched as it comes (bf16 communication).
+MODES.update({
+    name: {"comm_dtype": "bf16", "reduction": name} for name in registry.names()
+    if name not in {row.get("reduction", "reduce_scatter") for row in MODES.values()}
+})  # fmt: skip
 # How a mode's initial weights differ from the others': (init seed, relative perturbation).
 INIT = {"fp32_perturbed": (0, PERTURB), "fp32_seed1": (1, 0.0)}
 

@@ -8,6 +8,7 @@ rank, padding and a modelled time (text; ``--json`` and ``--plot`` as well).
     flatgrad plan seed-moe --world-size 8 --bucket 1000000 --stage 2
     flatgrad plan mypackage.models:build --model-arg layers=4 --json plan.json --plot plan.png
     flatgrad plan llama-7b -w 8 128 1024 --modes            # flatgrad ZeRO-2 under every reduction mode
+    flatgrad plan llama-7b -w 8 128 1024 --modes --stage 3  # flatgrad ZeRO-3 under every reduction mode
     flatgrad plan llama-7b -w 8 16 64 128 1024 --modes exact int8 --plot modes.png
     flatgrad plan gpt2-xl -w 8 64 --offload                 # host copies per backward under optimizer offload
 """
@@ -23,7 +24,7 @@ from ..cli import positive_int as _positive_int
 from ..kernels import DTYPE_NAMES
 from . import models, report, schedules
 from .cost import MODES, CostModel
-from .flatgrad_schedule import flatgrad_zero2
+from .flatgrad_schedule import flatgrad_zero2, flatgrad_zero3
 from .memory import gradient_path_memory
 from .offload import offload_copies
 from .schedule import element_size
@@ -66,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     link.add_argument("--ib-nic", type=float, default=defaults.ib_nic_gbps, metavar="GB/s",
                       help="one GPU's NIC line rate: an all_to_all's traffic to other nodes goes through it")
     parser.add_argument("--modes", nargs="*", choices=MODES, metavar="MODE",
-                        help="instead of the schedule table: flatgrad ZeRO-2 under each reduction mode (default: all "
+                        help="instead of the schedule table: flatgrad ZeRO-2 (--stage 3: ZeRO-3) under each reduction "
+                             "mode (default: all "
                              f"of {', '.join(MODES)}), its bytes, alpha and bandwidth terms, and who wins")
     parser.add_argument("--block", type=_positive_int, default=256, help="int8/fp8 elements per scale (default 256)")
     parser.add_argument("--offload", action="store_true",
@@ -142,8 +144,11 @@ def _emit(args: argparse.Namespace, doc: dict, text: Callable[[], str], plot: Ca
 
 
 def _run_modes(args: argparse.Namespace, cost: CostModel, kwargs: dict) -> int:
-    """``flatgrad plan --modes``: flatgrad ZeRO-2's backward under each reduction mode, per world size."""
-    spec = models.load(args.model, order=args.order, zero3=False, **kwargs)
+    """``flatgrad plan --modes``: flatgrad ZeRO-2's backward (``--stage 3``: ZeRO-3's) under each reduction mode, per
+    world size."""
+    zero3 = args.stage == "3"
+    spec = models.load(args.model, order=args.order, zero3=zero3, **kwargs)
+    schedule = flatgrad_zero3 if zero3 else flatgrad_zero2
     dtype = _DTYPES[args.dtype]
     comm_dtype = _DTYPES[args.comm_dtype] if args.comm_dtype else None
     modes = args.modes or list(MODES)
@@ -154,13 +159,13 @@ def _run_modes(args: argparse.Namespace, cost: CostModel, kwargs: dict) -> int:
         if not 0 <= args.rank < world_size:
             raise ValueError(f"--rank {args.rank} is not a rank of world size {world_size}")
         runs.append((world_size, [
-            flatgrad_zero2(spec, world_size, bucket_numel=args.bucket, dtype=dtype, comm_dtype=comm_dtype,
-                           rank=args.rank, reduction=mode, block=args.block, gpus_per_node=cost.gpus_per_node)
+            schedule(spec, world_size, bucket_numel=args.bucket, dtype=dtype, comm_dtype=comm_dtype,
+                     rank=args.rank, reduction=mode, block=args.block, gpus_per_node=cost.gpus_per_node)
             for mode in modes
         ]))  # fmt: skip
     config = {
         "dtype": args.dtype, "comm_dtype": args.comm_dtype or args.dtype, "bucket": f"{args.bucket:,} elements",
-        "block": args.block, "rank": args.rank,
+        "block": args.block, "rank": args.rank, "stage": 3 if zero3 else 2,
     }  # fmt: skip
     doc = {
         "model": {"name": spec.name, "trainable_numel": spec.numel},

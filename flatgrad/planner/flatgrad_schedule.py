@@ -134,21 +134,44 @@ def flatgrad_zero3(
     dtype: torch.dtype | None = None,
     comm_dtype: torch.dtype | None = None,
     rank: int = 0,
+    reduction: str = "reduce_scatter",
+    block: int = 256,
+    gpus_per_node: int = 8,
 ) -> Schedule:
-    """flatgrad's ZeRO-3 collectives in one backward. See [Note: flatgrad ZeRO-3 schedule]."""
+    """flatgrad's ZeRO-3 collectives in one backward. See [Note: flatgrad ZeRO-3 schedule].
+
+    ``reduction`` is any mode of ``flatgrad.planner.cost.MODES``, priced over stock's buckets as for
+    ZeRO-2 (``cost.reduction_calls``); a hierarchical mode over a world that is not whole nodes gives an
+    unavailable schedule.
+    """
     check_args(spec, world_size, rank, bucket_numel)
+    if reduction not in MODES:
+        raise ValueError(f"reduction must be one of {', '.join(MODES)}; got {reduction!r}")
     comm_dtype = comm_dtype or dtype or spec.dtype
     name, key = "flatgrad ZeRO-3", "flatgrad_zero3"
+    if reduction != "reduce_scatter":
+        name, key = f"{name}, {reduction}", f"{key}_{reduction}"
     reason = zero3_unavailable(spec)
     if reason is not None:
         return Schedule(name, key, world_size, rank, (), unavailable=reason)
     world = range(world_size)
-    calls = []
+    calls: list[Collective] = []
     if world_size > 1:
-        for bucket in zero3_buckets(spec, bucket_numel):
-            layout = Layout.chunked([spec.params[i].numel for i in bucket], world_size)
-            calls.append(Collective("reduce_scatter", layout.numel, comm_dtype, world, payload=layout.numel_unpadded))
+        try:
+            for bucket in zero3_buckets(spec, bucket_numel):
+                layout = Layout.chunked([spec.params[i].numel for i in bucket], world_size)
+                if reduction == "reduce_scatter":
+                    calls.append(Collective("reduce_scatter", layout.numel, comm_dtype, world, payload=layout.numel_unpadded))
+                else:
+                    calls.extend(reduction_calls(
+                        reduction, layout.numel, comm_dtype, world, rank=rank, block=block, gpus_per_node=gpus_per_node,
+                        world_size=world_size,
+                    ))  # fmt: skip
+        except ValueError as exc:  # a hierarchical mode over a world that is not whole nodes
+            return Schedule(name, key, world_size, rank, (), unavailable=str(exc))
     return Schedule(
         name, key, world_size, rank, tuple(calls),
-        note="stock's buckets and collectives; one fused pack and unpack replace the copies around them",
+        note="stock's buckets and collectives; one fused pack and unpack replace the copies around them"
+        if reduction == "reduce_scatter"
+        else f"stock's buckets, each reduced by {reduction}; one fused pack and unpack replace the copies around them",
     )  # fmt: skip

@@ -196,10 +196,10 @@ def mode_rows(runs: ModeRuns, cost: CostModel) -> list[dict[str, Any]]:
     """
     rows = []
     for world_size, schedules in runs:
-        base = next((s for s in schedules if s.key == "flatgrad_zero2"), None)
+        base = next((s for s in schedules if s.key in ("flatgrad_zero2", "flatgrad_zero3")), None)
         base_time = cost.schedule_time(base) if base is not None and not base.unavailable else None
         for s in schedules:
-            mode = s.key.removeprefix("flatgrad_zero2").removeprefix("_") or "reduce_scatter"
+            mode = s.key.removeprefix("flatgrad_zero2").removeprefix("flatgrad_zero3").removeprefix("_") or "reduce_scatter"
             row: dict[str, Any] = {"world_size": world_size, "mode": mode, "unavailable": s.unavailable}
             if not s.unavailable:
                 intra = sum(cost.time(c) for c in s.calls if cost.nodes(c.group) <= 1)
@@ -216,10 +216,11 @@ def mode_rows(runs: ModeRuns, cost: CostModel) -> list[dict[str, Any]]:
 
 
 def modes_text(spec: ModelSpec, runs: ModeRuns, cost: CostModel, config: Mapping[str, Any]) -> str:
-    """``flatgrad plan --modes``: per world size, each reduction mode's flatgrad ZeRO-2 backward, and who wins."""
+    """``flatgrad plan --modes``: per world size, each reduction mode's flatgrad ZeRO-2 (or ZeRO-3) backward, and who
+    wins."""
     lines = [
-        f"flatgrad plan --modes: {spec.name}, {spec.numel:,} trainable parameters, flatgrad ZeRO-2",
-        "  " + ", ".join(f"{k} {v}" for k, v in config.items()),
+        f"flatgrad plan --modes: {spec.name}, {spec.numel:,} trainable parameters, flatgrad ZeRO-{config.get('stage', 2)}",
+        "  " + ", ".join(f"{k} {v}" for k, v in config.items() if k != "stage"),
         f"  link model: NVLink {cost.nvlink_busbw_gbps:g} GB/s, IB {cost.ib_busbw_gbps:g} GB/s ring busbw / "
         f"{cost.ib_nic_gbps:g} GB/s per NIC, alpha {cost.alpha_us:g} us, hop {cost.nvlink_hop_us:g} us (NVLink) / "
         f"{cost.ib_hop_us:g} us (IB), {cost.gpus_per_node} GPUs per node",
@@ -289,7 +290,8 @@ def modes_plot(path: str, spec: ModelSpec, runs: ModeRuns, cost: CostModel) -> N
         ax.axvline(cost.gpus_per_node, color="0.7", linewidth=0.8)
     ax_time.set_yscale("log")
     ax_time.set_ylabel("modelled reduction time per backward (ms), calls in series")
-    ax_time.set_title(f"{spec.name}, flatgrad ZeRO-2: reduction modes on the modelled NCCL cluster")
+    stage = 3 if runs and runs[0][1] and runs[0][1][0].key.startswith("flatgrad_zero3") else 2
+    ax_time.set_title(f"{spec.name}, flatgrad ZeRO-{stage}: reduction modes on the modelled NCCL cluster")
     ax_ratio.axhline(1.0, color="k", linewidth=0.8)
     ax_ratio.set_yscale("log")
     ax_ratio.set_ylabel("time / reduce_scatter's (below 1: the mode wins)")
