@@ -12,10 +12,11 @@
 # reference), zero-offload (ZeRO-2/3 with CPU optimizer offload, stock against flatgrad: losses, peak
 # memory), streams (shard-target delivery, deliver() and the two-stage stream order behind sleeps),
 # wire (every wire mode on cuda and triton, bitwise), zero-step (ZeRO-2/3 stock against flatgrad on every
-# GPU), test-reducer, test-cuda, test-kernels, bench (flatgrad bench --device cuda), test-triton. A failure
-# is recorded and the next step runs; the summary is rewritten after each step. Results go to --out
-# (default $OUT, else ./gpu-check-out): summary.txt, summary.json, gpu_check.log, bench.json,
-# zero_step.json, zero_offload.json, streams.json. Exit status 0 only when every step passed.
+# GPU), test-reducer, test-cuda, test-kernels, qgz (qgz_int8/qgz_fp8 and DeepSpeed's ZeRO++ qgZ on simulated
+# ranks: error and bytes; stock's only where its quantizer op loads), bench (flatgrad bench --device cuda),
+# test-triton. A failure is recorded and the next step runs; the summary is rewritten after each step. Results
+# go to --out (default $OUT, else ./gpu-check-out): summary.txt, summary.json, gpu_check.log, bench.json,
+# zero_step.json, zero_offload.json, streams.json, qgz.json. Exit status 0 only when every step passed.
 # Without a checkout, `flatgrad check` from an installed package runs the same steps but wheels, build
 # and the test-* steps.
 #

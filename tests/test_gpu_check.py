@@ -25,7 +25,7 @@ from flatgrad.check import command, plan, runner, summary
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = pathlib.Path("bench") / "gpu_check.sh"
-IN_PACKAGE = ("env", "backends", "kernels", "zero-offload", "streams", "wire", "zero-step", "bench")
+IN_PACKAGE = ("env", "backends", "kernels", "zero-offload", "streams", "wire", "zero-step", "qgz", "bench")
 
 
 def _dry_run(*args: str, root: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
@@ -54,6 +54,7 @@ def test_dry_run_passes_and_prints_every_step() -> None:
     assert "-m flatgrad.check.wire --device cuda --backends cuda,triton" in result.stdout
     assert "-m flatgrad.check.zero_offload --device cuda" in result.stdout
     assert "-m flatgrad.check.streams" in result.stdout
+    assert "-m flatgrad.check.qgz --device cuda --backends cuda,triton --stock-timeout 15" in result.stdout
     assert "budget (each step's timeout" in result.stdout and "total" in result.stdout
     assert "flatgrad bench --device cuda" in result.stdout
     assert "tests/test_reducer_cuda.py" in result.stdout

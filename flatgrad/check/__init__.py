@@ -10,6 +10,7 @@ in-package steps are modules of this package, each runnable as ``python -m flatg
 * ``streams``: the reducer's shard delivery and the two-stage reduction's stream order on one GPU.
 * ``wire``: every wire mode on ``cuda`` and ``triton``, bitwise against the reference.
 * ``zero_step``: ZeRO-2 and ZeRO-3 steps on every visible GPU, stock against flatgrad.
+* ``qgz``: ``qgz_int8`` / ``qgz_fp8`` and DeepSpeed's ZeRO++ qgZ on simulated ranks, error and bytes.
 
 With ``--root CHECKOUT`` the check also builds the checkout's extension and runs its GPU tests.
 This is the top layer, beside the CLI: it may import everything below it.

@@ -16,20 +16,21 @@ __all__ = ["BUDGET", "BUDGET_S", "CHECKOUT_ONLY", "Context", "Step", "budget_tab
 # first step), so that the whole default run fits in 8 minutes: the sum is at most
 # ``BUDGET_S`` (``tests/test_gpu_check.py`` holds it to that). Ordered by what a run cut short must not miss:
 # the build, the kernels against the reference, ZeRO offload against stock, the reducer's stream order,
-# the wire kernels, the ZeRO-2/3 steps, then the checkout's GPU tests and throughput.
+# the wire kernels, the ZeRO-2/3 steps, then the checkout's GPU tests, qgZ against stock's, and throughput.
 BUDGET: dict[str, float] = {
     "wheels": 10,
     "env": 10,
-    "build": 90,
+    "build": 80,
     "backends": 10,
     "kernels": 40,
-    "zero-offload": 90,
-    "streams": 40,
+    "zero-offload": 80,
+    "streams": 30,
     "wire": 25,
     "zero-step": 70,
     "test-reducer": 30,
     "test-cuda": 20,
     "test-kernels": 15,
+    "qgz": 30,
     "bench": 20,
     "test-triton": 10,
 }
@@ -161,6 +162,7 @@ def plan(ctx: Context) -> list[Step]:
     if not os.environ.get("CUDA_HOME") and os.path.exists("/usr/local/cuda/bin/nvcc"):
         # torch guesses CUDA_HOME from `which nvcc`, which may be a wrapper outside the toolkit.
         build_env += (("CUDA_HOME", "/usr/local/cuda"),)
+    qgz_env = tuple((k, v) for k, v in build_env if k in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "MAX_JOBS"))
     quick = ("--quick",) if ctx.quick else ()
     bench_args = (
         "bench", "--device", "cuda", "--buckets", "transformer", "--hidden", "1024" if ctx.quick else "2048",
@@ -175,6 +177,10 @@ def plan(ctx: Context) -> list[Step]:
     streams_args = ("--out", os.path.join(out, "streams.json"))
     kernel_args = ("--device", "cuda", "--backends", "cuda,triton", *quick)
     wire_args = ("--device", "cuda", "--backends", "cuda,triton", *quick)
+    # qgz: flatgrad's part first; what is left of its share goes to loading stock's quantizer op, whose cold JIT
+    # build needs more (`python -m flatgrad.check.qgz --stock-timeout 300` once on the node caches it).
+    qgz_args = ("--device", "cuda", "--backends", "cuda,triton", "--stock-timeout", str(max(5, int(t["qgz"] - 15))),
+                "--out", os.path.join(out, "qgz.json"), *quick)  # fmt: skip
     # Few hypothesis examples: cases that vary pointer alignment make Triton compile a new
     # specialization each, which is what makes this step's time hard to predict.
     examples = (("FLATGRAD_TEST_EXAMPLES", "5" if ctx.quick else "10"),)
@@ -194,6 +200,8 @@ def plan(ctx: Context) -> list[Step]:
         pytest_step(ctx, "test-cuda", t["test-cuda"], 20, ("tests/test_cuda.py",)),
         pytest_step(ctx, "test-kernels", t["test-kernels"], 15, ("tests/test_kernels.py", "-k", "not cpu"),
                     env=examples),  # fmt: skip
+        dataclasses.replace(_module(ctx, "qgz", "flatgrad.check.qgz", t["qgz"], qgz_args, report="qgz.json"),
+                            env=qgz_env),  # fmt: skip
         Step("bench", "bench", (py, "-m", "flatgrad", *bench_args), t["bench"], args=bench_args),
         pytest_step(ctx, "test-triton", t["test-triton"], 10, ("tests/test_triton.py", "-k", "not compile_check")),
     ]

@@ -10,8 +10,8 @@ from typing import Any
 from .plan import Context, Step
 
 __all__ = [
-    "last_json", "pytest_figures", "bench_figures", "zero_figures", "offload_figures", "figures", "step_line",
-    "summary_text", "write_summary",
+    "last_json", "pytest_figures", "bench_figures", "zero_figures", "offload_figures", "qgz_figures", "stock_text",
+    "figures", "step_line", "summary_text", "write_summary",
 ]  # fmt: skip
 
 
@@ -86,6 +86,34 @@ def offload_figures(path: str) -> dict[str, Any]:
     return {"device": doc["device"], "gpu": doc.get("gpu"), "ok": doc["ok"], "configs": doc["configs"]}
 
 
+def qgz_figures(path: str) -> dict[str, Any]:
+    """The cases' errors and bytes and stock's status, from ``python -m flatgrad.check.qgz --out`` JSON."""
+    with open(path) as f:
+        doc = json.load(f)
+    keep = ("device", "local_size", "bucket", "block", "stock", "stock_formula", "cases", "failures", "ok")
+    return {k: doc[k] for k in keep if k in doc}
+
+
+def stock_text(doc: dict) -> str:
+    """``stock qgZ ...`` of a qgz step's figures: its error in the largest case, or why it was not measured."""
+    cases = doc.get("cases") or {}
+    if cases:
+        label, case = list(cases.items())[-1]
+        stock = case.get("stock_qgz_int4") or {}
+        if stock.get("measured"):
+            return f"stock qgZ {label}: rel rms {stock['rel_rms']:.2e}, max abs {stock['max_abs']:.3g}"
+        if stock.get("reason"):
+            return f"stock qgZ: not measured: {stock['reason']}"
+    return f"stock qgZ: not measured: {(doc.get('stock') or {}).get('reason') or 'not reached'}"
+
+
+def _qgz_note(figures: dict) -> str:
+    label, case = list(figures["cases"].items())[-1]
+    modes = ", ".join(f"{m} rel rms {e['rel_rms']:.2e}{'' if e['ok'] else ' BEYOND BOUND'}"
+                      for m, e in case["flatgrad"].items())  # fmt: skip
+    return f"{label}: {modes}, bf16 2d {case['2d_reduce_scatter_bf16']['rel_rms']:.2e}; {stock_text(figures)}"
+
+
 def figures(step: Step, record: dict, ctx: Context) -> dict[str, Any]:
     """What a finished step measured, read from its output or its JSON (empty when there is none)."""
     output = record.get("output", "")
@@ -98,6 +126,8 @@ def figures(step: Step, record: dict, ctx: Context) -> dict[str, Any]:
             return zero_figures(os.path.join(ctx.out, step.report))
         if step.report == "zero_offload.json":
             return offload_figures(os.path.join(ctx.out, step.report))
+        if step.report == "qgz.json":
+            return qgz_figures(os.path.join(ctx.out, step.report))
         if step.kind == "module":
             return last_json(output) or {}
     except (OSError, KeyError, ValueError, TypeError) as exc:
@@ -122,6 +152,8 @@ def step_line(r: dict) -> str:
     elif figures.get("configs"):
         matched = sum(bool(c.get("ok")) for c in figures["configs"])
         note = f"{matched} of {len(figures['configs'])} configs match stock"
+    elif r["name"] == "qgz" and figures.get("cases"):
+        note = _qgz_note(figures)
     elif "cases" in figures and "failures" in figures:
         note = f"{figures['cases']} cases, {len(figures['failures'])} failed"
     elif r["name"] == "env" and figures:
@@ -181,6 +213,21 @@ def summary_text(doc: dict) -> str:
             memory = "  ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in peaks.items() if v is not None)
             lines.append(f"  {c['name']:<34} {'match' if c['ok'] else 'DIFFER'} (max rel diff "
                          f"{c['max_rel_diff']:.2e}, rtol {c['rtol']:g}){'  ' + memory if memory else ''}")  # fmt: skip
+    qgz = (steps.get("qgz") or {}).get("figures") or {}
+    if qgz.get("cases"):
+        lines += ["", f"qgZ on {qgz.get('device')}, simulated ranks ({qgz['bucket']['numel']:,} elements a rank): "
+                  "relative RMS error against the fp64 sum; send bytes a rank, node + rail"]  # fmt: skip
+        for label, case in qgz["cases"].items():
+            b = case["bytes"]
+            sizes = "  ".join(f"{m} {v['node'] + v['rail']:,} B" for m, v in b.items())
+            errs = "  ".join(f"{m} {e['rel_rms']:.2e}" for m, e in case["flatgrad"].items())
+            stock = case.get("stock_qgz_int4") or {}
+            stock_err = f"{stock['rel_rms']:.2e}" if stock.get("measured") else "not measured"
+            lines.append(f"  {label}: {errs}  2d_reduce_scatter_bf16 {case['2d_reduce_scatter_bf16']['rel_rms']:.2e}  "
+                         f"stock_qgz_int4 {stock_err}")  # fmt: skip
+            lines.append(f"    bytes: {sizes}")
+        if not (qgz.get("stock") or {}).get("measured"):
+            lines.append(f"  stock qgZ: not measured: {(qgz.get('stock') or {}).get('reason')}")
     for r in doc["steps"]:
         if r["status"] in ("failed", "timeout", "interrupted"):
             lines += ["", f"--- {r['name']} {r['status']} (exit {r.get('rc')}); "
