@@ -444,8 +444,9 @@ OFFLOAD_MODES = (
 
 
 def _every_mode(rank: int, world_size: int) -> dict:
-    """Each mode on 2 nodes of 2: without offload, then with the optimizer offloaded and every segment staged
-    through the pinned buffers (as on a GPU): what arrived (the sources, or the wire bytes) is unpacked on the host."""
+    """Each mode on 2 nodes of 2: without offload, then with the optimizer and the parameters offloaded and every
+    segment staged through the pinned buffers (as on a GPU): what arrived (the sources, or the wire bytes) is unpacked
+    on the host."""
     from _ds import as_nodes, train
 
     from flatgrad.integrations.deepspeed.zero3.offload import Zero3Offload
@@ -459,7 +460,7 @@ def _every_mode(rank: int, world_size: int) -> dict:
     for reduction, feedback in OFFLOAD_MODES:
         section = {"reduction": reduction, "error_feedback": feedback}
         for offload in (False, True):
-            options = {**BASE, **(_offload(True) if offload else {})}
+            options = {**BASE, **({**_offload(True), "offload_param": {"device": "cpu"}} if offload else {})}
             engine = _engine(rank, world_size, True, gas=2, stage=offload, flatgrad=section, **options)
             r = engine.optimizer.flatgrad
             out[reduction, feedback, offload] = {
@@ -475,7 +476,8 @@ def _every_mode(rank: int, world_size: int) -> dict:
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_offload_serves_every_mode() -> None:
-    """With the optimizer offloaded and the segments staged, every mode trains as it does without offload."""
+    """With the optimizer and the parameters offloaded and the segments staged, every mode trains as it does without
+    offload."""
     for rank, out in enumerate(launch(_every_mode, 4, timeout=280)):
         for reduction, feedback in OFFLOAD_MODES:
             plain, offloaded = out[reduction, feedback, False], out[reduction, feedback, True]
