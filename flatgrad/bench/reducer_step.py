@@ -49,6 +49,7 @@ Usage::
 
 from __future__ import annotations
 
+import abc
 import argparse
 import json
 import math
@@ -196,16 +197,18 @@ def _time_plans(reducer: BucketReducer, clock: _Clock) -> None:
 # --------------------------------------------------------------------------- the methods
 
 
-class _Method:
+class _Method(abc.ABC):
     """One reduction strategy: ``on_grad`` from the hook, ``finish`` after backward."""
 
     name = ""
 
+    @abc.abstractmethod
     def on_grad(self, p: nn.Parameter) -> None:
-        raise NotImplementedError
+        """Count ``p``'s gradient in; reduce what is ready."""
 
+    @abc.abstractmethod
     def finish(self) -> None:
-        raise NotImplementedError
+        """Reduce what is left after the backward and wait for it."""
 
     def after_step(self, params: list[nn.Parameter]) -> None:
         """Untimed cleanup between steps."""
@@ -232,7 +235,9 @@ class _Flatgrad(_Method):
 
     def __init__(self, buckets: list[list[nn.Parameter]]) -> None:
         self.reducer = BucketReducer(buckets, register_hooks=False)
-        self.on_grad = self.reducer.mark_ready  # type: ignore[method-assign]
+
+    def on_grad(self, p: nn.Parameter) -> None:
+        self.reducer.mark_ready(p)
 
     def finish(self) -> None:
         self.reducer.finish()
@@ -266,8 +271,9 @@ class _InOrderBuckets(_Method):
         self.next = 0
         self.works.clear()
 
+    @abc.abstractmethod
     def reduce(self, b: int) -> None:
-        raise NotImplementedError
+        """Reduce bucket ``b``."""
 
 
 class _DDPAllReduce(_InOrderBuckets):

@@ -109,12 +109,12 @@ class Zero2Reduction:
         )  # fmt: skip
         seams = self.seams
         self.window = Zero2Window(self.context)
-        self.stepper = Zero2Step(self.context, self.window, seams.stock_step)
+        self.stepper = Zero2Step(self.context, self.window, seams.stock.step)
         self.stats = Zero2StepStats(
-            self.context, self.window, seams.stock_has_overflow, seams.stock_update_overflow_tracker
+            self.context, self.window, seams.stock.has_overflow, seams.stock.update_offload_overflow_tracker
         )
         self.checkpoints = Zero2Checkpoints(
-            o, self.reducers, self.arenas, seams.stock_state_dict, seams.stock_load_legacy
+            o, self.reducers, self.arenas, seams.stock.state_dict, seams.stock._load_legacy_checkpoint
         )
         self.reductions = 0
 

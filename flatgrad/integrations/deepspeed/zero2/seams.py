@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import UnsupportedConfigError
+from ..stock_methods import StockMethods
 
 __all__ = ["SEAMS", "Zero2Seams"]
 
@@ -35,6 +36,10 @@ SEAMS = (
 )
 
 
+# The stock methods flatgrad's replacements wrap or fall back on.
+_KEPT = ("step", "state_dict", "_load_legacy_checkpoint", "has_overflow", "update_offload_overflow_tracker")
+
+
 class Zero2Seams:
     """The seams of one ``DeepSpeedZeroOptimizer``: stock's methods kept where flatgrad's wrap them or fall back on
     them, and ``bind``, which puts flatgrad's in their place.
@@ -42,8 +47,7 @@ class Zero2Seams:
     Raises ``UnsupportedConfigError`` unless ``optimizer`` is DeepSpeed's ZeRO-1/2 optimizer with every seam.
 
     Attributes:
-        stock_step, stock_state_dict, stock_load_legacy, stock_has_overflow, stock_update_overflow_tracker:
-            DeepSpeed's ``step``, ``state_dict``, ``_load_legacy_checkpoint``, ``has_overflow`` and
+        stock: DeepSpeed's ``step``, ``state_dict``, ``_load_legacy_checkpoint``, ``has_overflow`` and
             ``update_offload_overflow_tracker``, as they were before ``bind``.
     """
 
@@ -65,18 +69,13 @@ class Zero2Seams:
                 "flatgrad replaces"
             )
         self.optimizer = o
-        self.stock_step = o.step
-        self.stock_state_dict = o.state_dict
-        self.stock_load_legacy = o._load_legacy_checkpoint
-        self.stock_has_overflow = o.has_overflow
-        self.stock_update_overflow_tracker = o.update_offload_overflow_tracker
+        self.stock = StockMethods(o, _KEPT)
 
     def bind(self, replacements: Mapping[str, Callable[..., Any]], adapter: Any) -> None:
         """Replace each method named in ``replacements`` on the optimizer instance, and make ``adapter`` reachable
         as ``optimizer.flatgrad``."""
         o = self.optimizer
-        for name, method in replacements.items():
-            setattr(o, name, method)
+        self.stock.replace(replacements)
         for group in o.bit16_groups:  # as DeepSpeed links them under offload: set_full_hp_grad then tells us
             for lp in group:
                 if getattr(lp, "_hp_mapping", None) is not None:

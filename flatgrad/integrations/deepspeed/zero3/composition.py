@@ -27,3 +27,4 @@ class Composition(NamedTuple):
     key: tuple  # (bucket dtype, every parameter's ds_id in bucket order): the same on every rank
     bucket_ds_ids: frozenset[int]  # every parameter of the bucket, for [Note: ZeRO-3 step statistics]
     piece_params: tuple  # the parameters of ``ds_ids``, in segment order
+    temporaries: tuple  # the mode's pool slots besides the IPG buffer: (purpose, elements, dtype), made per reduce

@@ -250,6 +250,7 @@ class Zero3Reduction:
             key=(bucket_dtype, tuple(p.ds_id for p in params)),
             bucket_ds_ids=frozenset(p.ds_id for p in params),
             piece_params=tuple(params[p.tensor_index] for p in pieces),
+            temporaries=tuple(s for s in mode.pool_slots([layout], comm_dtype) if s[0] != "input"),
         )
 
     def _grad_partitions(self, comp: Composition) -> list[torch.Tensor]:
@@ -266,13 +267,10 @@ class Zero3Reduction:
         return outs
 
     def _reduce(self, comp: Composition, params: Sequence[torch.nn.Parameter], bucket: Any) -> None:
-        layout = comp.layout
         grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
         device = grads[0].device
         buffers = {
-            purpose: torch.empty(n, dtype=dtype, device=device)
-            for purpose, n, dtype in comp.bucket.mode.pool_slots([layout], comp.comm_dtype)
-            if purpose != "input"
+            purpose: torch.empty(n, dtype=dtype, device=device) for purpose, n, dtype in comp.temporaries
         }  # temporaries of this reduce only: on CUDA, the caching allocator reuses them
         if comp.bucket.mode.packs_comm_buffer:
             buffers["input"] = self._input_buffer(comp, bucket, device)

@@ -15,6 +15,7 @@ import torch
 
 from ....reducer import ReducerConfig, ReduceScatter, ReductionMode, plan_mode, registry
 from ..config import FlatgradConfig, UnsupportedConfigError, deepspeed_version, offload_device
+from ..stock_methods import StockMethods
 from ..support import config_value
 from ..zero2.checkpoint import RESIDUALS_KEY
 from .reduction import GRAD_PARTITIONS, Zero3Reduction
@@ -32,6 +33,9 @@ ZERO3_REDUCTIONS = registry.names(zero_stage=3)
 
 # DeepSpeed's methods behind safe_set_full_grad / safe_set_local_grad / safe_update_full_grad_vectorized.
 _GRAD_WRITERS = ("set_fp32_grad_for_param", "set_local_grad_for_param", "update_fp32_grad_for_param_vectorized")
+# The stock methods flatgrad's replacements wrap or fall back on.
+_KEPT = ("_get_norm_groups", "has_overflow", "step", "zero_grad", "independent_gradient_partition_epilogue",
+         "state_dict", "load_state_dict") + _GRAD_WRITERS
 # What the replacement seams call or read on the optimizer, besides the seams themselves.
 _METHODS = ("get_param_comm_dtype", "_get_param_partition_group", "_assert_same_partition_group",
             "_gradient_averaging_world_size", "_get_norm_groups", "has_overflow", "step", "zero_grad",
@@ -56,61 +60,55 @@ class Zero3Seams:
     def __init__(self, optimizer: Any, reduction: Zero3Reduction) -> None:
         self.optimizer = optimizer
         self.reduction = reduction
-        self._stock_get_norm_groups = optimizer._get_norm_groups
-        self._stock_has_overflow = optimizer.has_overflow
-        self._stock_step = optimizer.step
-        self._stock_zero_grad = optimizer.zero_grad
-        self._stock_epilogue = optimizer.independent_gradient_partition_epilogue
-        self._stock_state_dict = optimizer.state_dict
-        self._stock_load_state_dict = optimizer.load_state_dict
-        self._stock_writers = {name: getattr(optimizer, name) for name in _GRAD_WRITERS}
+        self.stock = StockMethods(optimizer, _KEPT)
 
     def bind(self) -> None:
         """Replace the seams on the optimizer instance (DeepSpeed looks them up there at call time)."""
-        opt, reduction = self.optimizer, self.reduction
-        setattr(opt, _ADD_GRAD, reduction.add_grad_to_ipg_bucket)
-        setattr(opt, _REDUCE, reduction.reduce_and_partition_ipg_grads)
-        opt._get_norm_groups = self.get_norm_groups
-        opt.has_overflow = self.has_overflow
-        opt.step = self.step
-        opt.zero_grad = self.zero_grad
-        opt.independent_gradient_partition_epilogue = self.independent_gradient_partition_epilogue
-        opt.state_dict = self.state_dict
-        opt.load_state_dict = self.load_state_dict
-        for name, method in self._stock_writers.items():
-            setattr(opt, name, self._edits_grads(method))
+        reduction = self.reduction
+        self.stock.replace({
+            _ADD_GRAD: reduction.add_grad_to_ipg_bucket,
+            _REDUCE: reduction.reduce_and_partition_ipg_grads,
+            "_get_norm_groups": self.get_norm_groups,
+            "has_overflow": self.has_overflow,
+            "step": self.step,
+            "zero_grad": self.zero_grad,
+            "independent_gradient_partition_epilogue": self.independent_gradient_partition_epilogue,
+            "state_dict": self.state_dict,
+            "load_state_dict": self.load_state_dict,
+            **{name: self._edits_grads(getattr(self.stock, name)) for name in _GRAD_WRITERS},
+        })  # fmt: skip
 
     def get_norm_groups(self) -> list[torch.Tensor]:
         """Replaces ``_get_norm_groups``: the norm from the unpack stats, else stock's (see
         [Note: ZeRO-3 step statistics])."""
         norms = self.reduction.stats.norm_groups()
-        return self._stock_get_norm_groups() if norms is None else norms
+        return self.stock._get_norm_groups() if norms is None else norms
 
     def has_overflow(self, partition_gradients: bool = True) -> bool:
         """Replaces ``has_overflow``: any inf/nan in any rank's partitions, from the unpack stats, else stock's."""
         overflow = self.reduction.stats.overflow() if partition_gradients else None
-        return self._stock_has_overflow(partition_gradients) if overflow is None else overflow
+        return self.stock.has_overflow(partition_gradients) if overflow is None else overflow
 
     def step(self, closure: Any = None) -> Any:
         """Wraps ``step``: the window's stats are consumed (or discarded) with it."""
         try:
-            return self._stock_step(closure)
+            return self.stock.step(closure)
         finally:
             self.reduction.stats.end_window()
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> Any:
         """Wraps ``zero_grad``: it restarts accumulation, so the stats restart too."""
         self.reduction.stats.end_window()
-        return self._stock_zero_grad(*args, **kwargs)
+        return self.stock.zero_grad(*args, **kwargs)
 
     def independent_gradient_partition_epilogue(self) -> None:
         """Wraps stock's epilogue: after it (and its wait for the reduce stream), every staged bucket is unpacked."""
-        self._stock_epilogue()
+        self.stock.independent_gradient_partition_epilogue()
         self.reduction.drain(everything=True)
 
     def state_dict(self) -> dict:
         """Wraps ``state_dict``: stock's, plus the compositions' error-feedback residuals where there are any."""
-        sd = self._stock_state_dict()
+        sd = self.stock.state_dict()
         saved = self.reduction.residuals.state(self.reduction.compositions.values())
         if saved is not None:
             sd[RESIDUALS_KEY] = saved
@@ -121,12 +119,12 @@ class Zero3Seams:
         compositions not built yet); a universal checkpoint (``checkpoint_folder``) carries none."""
         import torch.distributed as tdist
 
-        bound = inspect.signature(self._stock_load_state_dict).bind(state_dict_list, *args, **kwargs)
+        bound = inspect.signature(self.stock.load_state_dict).bind(state_dict_list, *args, **kwargs)
         universal = bool(bound.arguments.get("checkpoint_folder"))
         mine = None
         if not universal and state_dict_list:
             mine = state_dict_list[tdist.get_rank(self.optimizer.dp_process_group)].get(RESIDUALS_KEY)
-        result = self._stock_load_state_dict(state_dict_list, *args, **kwargs)
+        result = self.stock.load_state_dict(state_dict_list, *args, **kwargs)
         source = "universal checkpoint" if universal else "checkpoint"
         self.reduction.residuals.load(mine, self.reduction.compositions.values(), source)
         return result
