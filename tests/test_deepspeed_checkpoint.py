@@ -175,6 +175,12 @@ def _bad_input_rank(rank, world_size, root):
     target.load_checkpoint(good, tag="t")  # the engine still loads a good checkpoint, and trains on
     out["good steps"] = target.global_steps
     out["trains"] = train(target, batches[2:])
+    elastic = ds_config(2, world_size=world_size, bucket=500, elastic_checkpoint=True)
+    try:
+        _engine("flatgrad", {**elastic, "flatgrad": {"checkpoint_layout": "stock"}})
+        out["elastic"] = None
+    except fds.UnsupportedConfigError as exc:
+        out["elastic"] = str(exc)
     return out
 
 
@@ -182,7 +188,8 @@ def _bad_input_rank(rank, world_size, root):
 def test_bad_checkpoints_are_refused_on_every_rank_naming_the_file_and_nothing_is_loaded(tmp_path):
     """Another world size, a truncated and a garbage rank-0 shard, a shard without a key, a ZeRO-3/MiCS shard and a
     pipeline engine's checkpoint: every rank raises (the bad shard is rank 0's), the message names the file or key,
-    and the engine's fp32 masters, parameters and step count are unchanged.
+    and the engine's fp32 masters, parameters and step count are unchanged. A stock-layout save is refused, naming
+    both keys, with ``elastic_checkpoint`` (another kind of shard).
 
     DeepSpeed makes neither MiCS (ZeRO-3 over sub-groups of ranks) nor pipeline checkpoints of this model cheaply on
     CPU, so those two are hand-edited from a stock ZeRO-2 checkpoint: a shard with the ZeRO-3 keys (``zero_stage``
@@ -210,3 +217,116 @@ def test_bad_checkpoints_are_refused_on_every_rank_naming_the_file_and_nothing_i
         if rank == 1:  # the bad shard is rank 0's: rank 1 says whose it was
             assert "rank 0:" in out["truncated"][1], out["truncated"]
         assert out["good steps"] == 2 and len(out["trains"]) == 2
+        assert out["elastic"] is not None and "zero_optimization.elastic_checkpoint" in out["elastic"], out["elastic"]
+        assert "flatgrad.checkpoint_layout" in out["elastic"], out["elastic"]
+
+
+def _differences(a, b, path="") -> list[str]:
+    """The key paths where two checkpoint objects differ (tensors bitwise, ``fragment_address`` by its fields, dicts
+    by their keys in any order: a dict's order means nothing to a loader; ``param_shapes``' is compared as a list)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        same = torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+        return [] if same and torch.equal(a, b) else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if sorted(a, key=str) != sorted(b, key=str):
+            return [f"{path} keys {list(a)} != {list(b)}"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{path}[{k!r}]")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path} length {len(a)} != {len(b)}"]
+        return [d for k, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{k}]")]
+    if hasattr(a, "__dataclass_fields__"):
+        return _differences(vars(a), vars(b), path) if type(a) is type(b) else [f"{path} type"]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+# Each cell: (stage, gas, bucket, client optimizer with two param groups, round_robin_gradients).
+ROUND_TRIP = [(2, 2, 500, False, False), (1, 1, 300, True, True)]
+SHARD_KEYS = (
+    "single_partition_of_fp32_groups", "base_optimizer_state", "group_paddings", "param_alignment_paddings",
+    "partition_count", "param_slice_mappings", "zero_stage",
+)  # fmt: skip
+
+
+def _round_trip_rank(rank, world_size, root):
+    import deepspeed.comm as dist
+
+    shard = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    out = []
+    for c, (stage, gas, bucket, groups, round_robin) in enumerate(ROUND_TRIP):
+        zero = {"round_robin_gradients": True} if round_robin else {}
+        cfg = ds_config(stage, gas=gas, world_size=world_size, bucket=bucket, optimizer=not groups, **zero)
+        if groups:
+            cfg["zero_allow_untested_optimizer"] = True
+        to_stock = {**cfg, "flatgrad": {"checkpoint_layout": "stock"}}
+        batches = make_batches(rank, 12 * gas, 2, D_IN, D_OUT)
+        a, b = 4 * gas, 8 * gas
+        folder = {k: os.path.join(root, f"{c}_{k}") for k in ("stock_a", "stock_b", "flatgrad_b")}
+        engine = _engine("stock", cfg, groups)  # the uninterrupted stock run, saving on the way
+        straight = train(engine, batches[:a])
+        engine.save_checkpoint(folder["stock_a"], tag="t")
+        straight += train(engine, batches[a:b])
+        engine.save_checkpoint(folder["stock_b"], tag="t")
+        straight += train(engine, batches[b:])
+        straight_masters, straight_params = _masters(engine), params_of(engine)
+        engine.destroy()
+        dist.barrier()
+        engine = _engine("flatgrad", to_stock, groups, seed=1)  # flatgrad on: resume stock's checkpoint
+        engine.load_checkpoint(folder["stock_a"], tag="t")
+        under_flatgrad = train(engine, batches[a:b])
+        engine.save_checkpoint(folder["flatgrad_b"], tag="t")  # in stock's layout
+        sub_groups = len(engine.optimizer.bit16_groups)
+        engine.destroy()
+        dist.barrier()
+        result = {"straight": straight, "under_flatgrad": under_flatgrad, "sub_groups": sub_groups}
+        for kind in ("stock", "flatgrad"):  # flatgrad off again (stock resumes it), and flatgrad resumes it too
+            engine = _engine(kind, cfg if kind == "stock" else to_stock, groups, seed=2)
+            engine.load_checkpoint(folder["flatgrad_b"], tag="t")
+            result[kind] = (train(engine, batches[b:]), _masters(engine), params_of(engine))
+            result[kind + "_groups"] = len(engine.optimizer.bit16_groups)
+            engine.destroy()
+        result["straight_masters"], result["straight_params"] = straight_masters, straight_params
+        saved = {
+            k: torch.load(os.path.join(folder[k], "t", shard), weights_only=False)["optimizer_state_dict"]
+            for k in ("stock_b", "flatgrad_b")
+        }  # fmt: skip
+        stock_b, flatgrad_b = saved["stock_b"], saved["flatgrad_b"]
+        result["shard"] = [d for key in SHARD_KEYS for d in _differences(stock_b[key], flatgrad_b[key], key)]
+        if rank == 0:
+            model = {
+                k: torch.load(os.path.join(folder[k], "t", "mp_rank_00_model_states.pt"), weights_only=False)
+                for k in ("stock_b", "flatgrad_b")
+            }  # fmt: skip
+            shapes = {k: [list(group.items()) for group in m["param_shapes"]] for k, m in model.items()}
+            result["shapes"] = _differences(shapes["stock_b"], shapes["flatgrad_b"])  # in order, as zero_to_fp32 reads
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            fp32 = {k: get_fp32_state_dict_from_zero_checkpoint(folder[k], tag="t") for k in ("stock_b", "flatgrad_b")}
+            result["fp32"] = _differences(dict(fp32["stock_b"]), dict(fp32["flatgrad_b"]))
+        out.append(result)
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_stock_to_flatgrad_to_stock_round_trip_trains_bitwise_like_an_uninterrupted_stock_run(tmp_path):
+    """flatgrad switched on and off mid-run: stock trains and saves; flatgrad resumes it, trains and saves with
+    ``checkpoint_layout: stock``; stock resumes that and trains on. Losses, fp32 masters and parameters are bitwise
+    an uninterrupted stock run's; flatgrad's shard is bitwise the shard stock saved at the same step (fp32 masters,
+    optimizer state, paddings, slice mappings), the model file's ``param_shapes`` are stock's, and
+    ``zero_to_fp32`` reads the same weights from both. flatgrad resumes its stock-layout checkpoint too. Cells: ZeRO-2
+    with GA 2 and AdamW from the config; ZeRO-1 with round-robin gradients and a client AdamW of two param groups."""
+    for rank, cells in enumerate(launch(_round_trip_rank, 2, str(tmp_path), timeout=380)):
+        for cell, r in zip(ROUND_TRIP, cells):
+            gas = cell[1]
+            assert r["stock_groups"] < r["sub_groups"] == r["flatgrad_groups"], (cell, r["stock_groups"])
+            assert r["under_flatgrad"] == r["straight"][4 * gas : 8 * gas], (rank, cell)
+            assert r["shard"] == [], (rank, cell, r["shard"])
+            if rank == 0:
+                assert r["shapes"] == [] and r["fp32"] == [], (cell, r["shapes"], r["fp32"])
+            for kind in ("stock", "flatgrad"):
+                losses, masters, params = r[kind]
+                assert losses == r["straight"][8 * gas :], (rank, cell, kind)
+                if kind == "stock":
+                    assert all(torch.equal(x, y) for x, y in zip(masters, r["straight_masters"])), (rank, cell)
+                for name, p in params.items():
+                    assert torch.equal(r["straight_params"][name], p), (rank, cell, kind, name)

@@ -1266,6 +1266,7 @@ def _cfg_with(stage: int = 2, **changes) -> dict:
         (_cfg_with(flatgrad={"reduction": "int8", "block": 100}), "flatgrad.block"),
         (_cfg_with(flatgrad={"reduction": "int8", "block": 8192}), "flatgrad.block"),
         (_cfg_with(flatgrad={"reduction": "exact", "error_feedback": True}), "flatgrad.error_feedback"),
+        (_cfg_with(flatgrad={"checkpoint_layout": "universal"}), "flatgrad.checkpoint_layout"),
     ],
     ids=[
         "nvme-offload",
@@ -1284,6 +1285,7 @@ def _cfg_with(stage: int = 2, **changes) -> dict:
         "block-not-pow2",
         "block-too-large",
         "feedback-without-quantization",
+        "checkpoint-layout-unknown",
     ],
 )
 def test_unsupported_configs_are_refused_at_initialize_naming_the_key(cfg, key):

@@ -13,6 +13,7 @@ import copy
 import math
 
 import pytest
+import torch
 from _ds import launch
 
 pytestmark = pytest.mark.multiproc
@@ -195,3 +196,74 @@ def test_trainer_with_the_qgz_key_under_zero3_bf16_runs_flatgrads_qgz(tmp_path):
         assert out["modes"] == {"int8"} and not out["ds_qgz"], out
         assert any("'qgz_int8'" in w and "'int8'" in w for w in out["warnings"]), out["warnings"]
         assert len(out["losses"]) == 2 and all(math.isfinite(loss) for loss in out["losses"]), out["losses"]
+
+
+# The guide's ZeRO-2 example without offload and in fp32, with torch's AdamW: the round trip is bitwise there.
+HF_ZERO2_FP32 = {
+    **{k: v for k, v in HF_ZERO2_OFFLOAD.items() if k not in ("fp16", "optimizer", "zero_optimization")},
+    "optimizer": {"type": "AdamW", "params": {**HF_ZERO2_OFFLOAD["optimizer"]["params"], "torch_adam": True}},
+    "zero_optimization": {k: v for k, v in HF_ZERO2_OFFLOAD["zero_optimization"].items() if k != "offload_optimizer"},
+}
+
+
+def _round_trip_rank(rank: int, world_size: int, root: str) -> dict:
+    import os
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import flatgrad.deepspeed as fds
+
+    def run(kind: str, out: str, resume: str | None) -> dict:
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        model = GPT2LMHeadModel(config)
+        gen = torch.Generator().manual_seed(0)
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(128, (64, 16), generator=gen)]
+        ds = copy.deepcopy(HF_ZERO2_FP32)
+        if kind == "flatgrad":
+            ds["flatgrad"] = {"checkpoint_layout": "stock"}
+            fds.patch()
+        args = TrainingArguments(
+            output_dir=os.path.join(root, out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            max_steps=9, learning_rate=1e-3, warmup_steps=2, max_grad_norm=1.0, logging_steps=1, save_strategy="steps",
+            save_steps=3, report_to=[], use_cpu=True, seed=0, data_seed=0, deepspeed=ds, disable_tqdm=True,
+        )  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        if kind == "flatgrad":
+            fds.unpatch()
+        engine = trainer.model_wrapped
+        return {
+            "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+            "flatgrad": getattr(engine.optimizer, "flatgrad", None) is not None,
+            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        }
+
+    straight = run("stock", "straight", None)  # saves checkpoint-3, -6, -9 on the way
+    on = run("flatgrad", "on", os.path.join(root, "straight", "checkpoint-3"))
+    off = run("stock", "off", os.path.join(root, "on", "checkpoint-6"))
+    shard = os.path.join("checkpoint-6", "global_step6", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    saved = [torch.load(os.path.join(root, k, shard), weights_only=False) for k in ("straight", "on")]
+    groups = [sd["optimizer_state_dict"]["single_partition_of_fp32_groups"] for sd in saved]
+    fp32 = len(groups[0]) == len(groups[1]) and all(torch.equal(a, b) for a, b in zip(*groups))
+    return {"straight": straight, "on": on, "off": off, "fp32 equal": fp32}
+
+
+@pytest.mark.timeout(600)
+def test_trainer_round_trip_stock_flatgrad_stock_trains_like_an_uninterrupted_run(tmp_path):
+    """Through the Trainer, fp32 ZeRO-2: stock trains 9 steps, saving every 3 (the uninterrupted run); flatgrad
+    resumes its checkpoint-3 and saves with ``checkpoint_layout: stock``; stock resumes flatgrad's checkpoint-6. Every
+    loss logged after a resume equals the uninterrupted run's at the same step, and the final weights are bitwise
+    equal; flatgrad's checkpoint-6 holds the same fp32 masters as stock's."""
+    for rank, out in enumerate(launch(_round_trip_rank, 2, str(tmp_path), timeout=580)):
+        straight, on, off = out["straight"], out["on"], out["off"]
+        assert on["flatgrad"] and not straight["flatgrad"] and not off["flatgrad"], "flatgrad on only in the middle run"
+        for run in (straight, on, off):  # a resumed run's history carries the steps before it, from the checkpoint
+            assert sorted(run["losses"]) == list(range(1, 10)), run["losses"]
+        for resumed in (on, off):
+            for step, loss in resumed["losses"].items():
+                assert loss == straight["losses"][step], (rank, step, loss, straight["losses"][step])
+            for name, p in resumed["params"].items():
+                assert torch.equal(p, straight["params"][name]), (rank, name)
+        assert out["fp32 equal"], rank

@@ -20,6 +20,7 @@ SUPPORTED_DEEPSPEED = ((0, 19, 2), (0, 20, 0))  # [min, max): the seams in docs/
 
 _COMM_DTYPES = ("fp32", "bf16", "fp16")
 _METHODS = ("auto", "tensor", "list")
+_LAYOUTS = ("flatgrad", "stock")
 
 
 class UnsupportedConfigError(ValueError):
@@ -53,6 +54,10 @@ class FlatgradConfig:
         node_size: two-stage reductions: ranks per node; None (the default) takes the launcher's
             ``LOCAL_WORLD_SIZE``, else the world size. It must divide the world size and equal
             ``LOCAL_WORLD_SIZE`` where that is set (checked on every rank when the reducers are built).
+        checkpoint_layout: how ZeRO-1/2's ``engine.save_checkpoint`` lays out the optimizer shards: ``flatgrad``
+            (the default: the bucket-sized sub-groups as they are, no extra communication) or ``stock`` (stock
+            DeepSpeed's layout of the unsplit param groups, re-partitioned at save by one ``all_to_all`` per state
+            tensor, which stock DeepSpeed loads, and flatgrad too). ZeRO-3's checkpoints are stock's layout either way.
         announce: print the take-over line (stage, sub-groups, buckets, method) on rank 0's stderr;
             ``FLATGRAD_QUIET=1`` silences it too.
         reduction_key: not a section key: the config key that chose ``reduction``, named in the take-over
@@ -70,6 +75,7 @@ class FlatgradConfig:
     block: int = 256
     error_feedback: bool = False
     node_size: int | None = None
+    checkpoint_layout: str = "flatgrad"
     announce: bool = True
     reduction_key: str | None = None
 
@@ -116,6 +122,10 @@ class FlatgradConfig:
             isinstance(cfg.node_size, bool) or not isinstance(cfg.node_size, int) or cfg.node_size < 1
         ):
             raise UnsupportedConfigError(f"'{SECTION}.node_size' must be a positive int, got {cfg.node_size!r}")
+        if cfg.checkpoint_layout not in _LAYOUTS:
+            raise UnsupportedConfigError(
+                f"'{SECTION}.checkpoint_layout' must be one of {_LAYOUTS}, got {cfg.checkpoint_layout!r}"
+            )
         if not isinstance(cfg.announce, bool):
             raise UnsupportedConfigError(f"'{SECTION}.announce' must be true or false, got {cfg.announce!r}")
         return cfg

@@ -25,7 +25,7 @@ import torch
 
 from ..arenas import OptimizerArenas
 from ..config import UnsupportedConfigError
-from .stock_checkpoint import STOCK, CheckpointLoadError, classify, repartition, world_size_error
+from .stock_checkpoint import STOCK, CheckpointLoadError, classify, repartition, stock_layout, to_stock, world_size_error
 
 __all__ = ["RESIDUALS_KEY", "CheckpointLoadError", "Zero2Checkpoints"]
 
@@ -41,6 +41,8 @@ class Zero2Checkpoints:
         arenas: the optimizer arenas, invalidated by a load, or ``None``.
         stock_state_dict: DeepSpeed's own ``state_dict``, which ``state_dict`` wraps.
         stock_load_legacy: DeepSpeed's own ``_load_legacy_checkpoint``, which ``load_legacy`` wraps.
+        layout: ``"flatgrad"`` (save the sub-groups as they are) or ``"stock"`` (``engine.save_checkpoint`` writes
+            stock's layout of the unsplit groups): ``flatgrad.checkpoint_layout``.
     """
 
     def __init__(
@@ -50,8 +52,11 @@ class Zero2Checkpoints:
         arenas: OptimizerArenas | None,
         stock_state_dict: Callable[[], dict],
         stock_load_legacy: Callable[..., Any],
+        layout: str = "flatgrad",
     ):
         self.optimizer = optimizer
+        self.layout = layout
+        self._saving_stock = False  # inside ``engine.save_checkpoint`` with ``layout`` stock: ``state_dict`` converts
         self.reducers = reducers
         self.arenas = arenas
         self.stock_state_dict = stock_state_dict
@@ -59,12 +64,13 @@ class Zero2Checkpoints:
         self._checked: str | None = None  # the shard ``load_checkpoint`` checked for the coming ``load_legacy``
 
     def state_dict(self) -> dict:
-        """Wraps the optimizer's ``state_dict``: stock's, plus the reducers' residuals where there are any."""
+        """Wraps the optimizer's ``state_dict``: stock's, plus the reducers' residuals where there are any; inside a
+        stock-layout ``engine.save_checkpoint``, in stock's layout (collective then, as that save is)."""
         sd = self.stock_state_dict()
         states = [r.state_dict() for r in self.reducers]
         if any(t is not None for state in states for t in state["residuals"]):
             sd[RESIDUALS_KEY] = states
-        return sd
+        return to_stock(self.optimizer, sd) if self._saving_stock else sd
 
     def _restore_residuals(self, saved: Any, source: str) -> None:
         """Put saved residuals back, or restart them at zero with a warning: see [Note: residuals in checkpoints]."""
@@ -161,7 +167,48 @@ class Zero2Checkpoints:
 
     def attach(self, engine: Any) -> None:
         """Wrap ``engine.load_checkpoint``: every rank's optimizer shard is read and checked, and the ranks agree,
-        before stock's load touches the engine; stock then loads the shard read here, not a second copy."""
+        before stock's load touches the engine; stock then loads the shard read here, not a second copy. With
+        ``layout`` stock, wrap ``engine.save_checkpoint`` too: see [Note: flatgrad checkpoints in stock's layout]."""
+        self._attach_load(engine)
+        if self.layout == STOCK:
+            self._attach_save(engine)
+
+    def _attach_save(self, engine: Any) -> None:
+        """``engine.save_checkpoint`` writes each rank's optimizer shard, and the model file's ``param_shapes``, in
+        stock's layout of the unsplit groups."""
+        if engine.zero_elastic_checkpoint():
+            raise UnsupportedConfigError(
+                "'flatgrad.checkpoint_layout': 'stock' writes stock's default shards; "
+                "'zero_optimization.elastic_checkpoint' saves another kind"
+            )
+        o = self.optimizer
+        if any(o.is_moe_group(g) for g in o.optimizer.param_groups):
+            raise UnsupportedConfigError(
+                "'flatgrad.checkpoint_layout': 'stock' does not re-partition a model with MoE groups; save in "
+                "flatgrad's layout and convert with deepspeed.checkpoint.ds_to_universal"
+            )
+        stock = engine.save_checkpoint
+
+        @functools.wraps(stock)
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            import deepspeed.comm as dist
+
+            shapes = stock_layout(o, dist.get_world_size(group=o.dp_process_group)).param_shapes(o.param_names)
+            shadowed = engine.__dict__.get("_get_zero_param_shapes")
+            engine._get_zero_param_shapes = lambda: shapes
+            self._saving_stock = True
+            try:
+                return stock(*args, **kwargs)
+            finally:
+                self._saving_stock = False
+                if shadowed is None:
+                    del engine._get_zero_param_shapes
+                else:
+                    engine._get_zero_param_shapes = shadowed
+
+        engine.save_checkpoint = save_checkpoint
+
+    def _attach_load(self, engine: Any) -> None:
         stock = engine.load_checkpoint
         signature = inspect.signature(stock)
 

@@ -114,7 +114,8 @@ class Zero2Reduction:
             self.context, self.window, seams.stock.has_overflow, seams.stock.update_offload_overflow_tracker
         )
         self.checkpoints = Zero2Checkpoints(
-            o, self.reducers, self.arenas, seams.stock.state_dict, seams.stock._load_legacy_checkpoint
+            o, self.reducers, self.arenas, seams.stock.state_dict, seams.stock._load_legacy_checkpoint,
+            layout=config.checkpoint_layout,
         )
         self.reductions = 0
 

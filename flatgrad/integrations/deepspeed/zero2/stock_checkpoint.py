@@ -11,6 +11,7 @@ checkpoints under flatgrad] in docs/design.md.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,10 @@ import torch
 
 from ..config import UnsupportedConfigError
 
-__all__ = ["FLATGRAD", "STOCK", "CheckpointLoadError", "classify", "repartition", "slice_mappings", "world_size_error"]
+__all__ = [
+    "FLATGRAD", "STOCK", "CheckpointLoadError", "classify", "repartition", "slice_mappings", "stock_layout", "to_stock",
+    "world_size_error",
+]  # fmt: skip
 
 FLATGRAD, STOCK = "flatgrad", "stock"  # what ``classify`` finds a shard's layout to be
 
@@ -72,36 +76,77 @@ def _offsets(numels: Sequence[int], paddings: Sequence[int]) -> list[int]:
 
 
 class _StockLayout:
-    """Stock's flat layout of every unsplit group on this optimizer's ranks, as the shard's keys give it."""
+    """Stock's flat layout of every unsplit group on this optimizer's ranks: its params in stock's flat order, each
+    param's alignment padding, and each group's partition size.
 
-    def __init__(self, o: Any, sd: Mapping[str, Any], world_size: int):
-        from deepspeed.checkpoint.constants import (
-            GROUP_PADDINGS,
-            PARAM_ALIGNMENT_PADDINGS,
-            SINGLE_PARTITION_OF_FP32_GROUPS,
-        )
+    ``of_shard`` takes the paddings and sizes a shard's keys give, ``of_optimizer``
+    computes them as DeepSpeed's ``DeepSpeedZeroOptimizer`` does for the unsplit groups.
+    """
 
+    def __init__(self, o: Any, paddings: Sequence[Sequence[int]], partition_sizes: Sequence[int], world_size: int):
         self.given = o._flatgrad_unsplit  # each group's params as the group lists them
         unsplit = self.given
         if o.round_robin_gradients:  # stock's flat order then: DeepSpeed's own reorder of each group
             unsplit = [o._round_robin_reorder(params, world_size)[0] for params in unsplit]
         self.groups = unsplit
-        fp32 = sd[SINGLE_PARTITION_OF_FP32_GROUPS]
-        self.paddings = paddings = sd.get(PARAM_ALIGNMENT_PADDINGS) or [[0] * len(params) for params in unsplit]
-        self.fits = len(fp32) == len(unsplit) == len(paddings) and all(
-            len(pad) == len(params) for pad, params in zip(paddings, unsplit)
+        self.paddings = [list(pad) for pad in paddings]
+        self.partition_sizes = [int(size) for size in partition_sizes]
+        self.world_size = world_size
+        self.fits = len(self.paddings) == len(unsplit) == len(self.partition_sizes) and all(
+            len(pad) == len(params) for pad, params in zip(self.paddings, unsplit)
         )
         if not self.fits:
             return
-        self.offsets = [_offsets([p.numel() for p in params], pad) for params, pad in zip(unsplit, paddings)]
-        self.partition_sizes = [int(t.numel()) + int(pad) for t, pad in zip(fp32, sd[GROUP_PADDINGS])]
+        self.offsets = [_offsets([p.numel() for p in params], pad) for params, pad in zip(unsplit, self.paddings)]
         alignment = o.nccl_start_alignment_factor * world_size
-        for params, pad, size in zip(unsplit, paddings, self.partition_sizes):
+        for params, pad, size in zip(unsplit, self.paddings, self.partition_sizes):
             flat = math.ceil((sum(p.numel() for p in params) + sum(pad)) / alignment) * alignment
             self.fits = self.fits and flat == size * world_size
 
-    def saved_mappings(self, names: Mapping[Any, str], rank: int) -> list[list[tuple[str, int, int]]]:
-        """What stock saves as ``param_slice_mappings`` for this layout on ``rank``.
+    @classmethod
+    def of_shard(cls, o: Any, sd: Mapping[str, Any], world_size: int) -> "_StockLayout":
+        """The layout a stock shard's keys describe (``fits`` says whether it is one of these params)."""
+        from deepspeed.checkpoint import constants as keys
+
+        fp32 = sd[keys.SINGLE_PARTITION_OF_FP32_GROUPS]
+        paddings = sd.get(keys.PARAM_ALIGNMENT_PADDINGS) or [[0] * len(params) for params in o._flatgrad_unsplit]
+        sizes = [int(t.numel()) + int(pad) for t, pad in zip(fp32, sd[keys.GROUP_PADDINGS])]
+        if len(fp32) != len(o._flatgrad_unsplit):
+            sizes = []
+        return cls(o, paddings, sizes, world_size)
+
+    @classmethod
+    def of_optimizer(cls, o: Any, world_size: int) -> "_StockLayout":
+        """The layout stock DeepSpeed gives these groups: after each param but the last, the padding to
+        ``parameter_alignment``'s 16 bytes; the group padded to ``nccl_start_alignment_factor`` x W, cut in W."""
+        alignment = o.nccl_start_alignment_factor * world_size
+        unsplit = o._flatgrad_unsplit
+        if o.round_robin_gradients:
+            unsplit = [o._round_robin_reorder(params, world_size)[0] for params in unsplit]
+        paddings, sizes = [], []
+        for params in unsplit:
+            size = params[0].element_size() if params else 1
+            step = 16 // math.gcd(16, size) if getattr(o, "parameter_alignment", False) else 1
+            pad, at = [], 0
+            for k, p in enumerate(params):
+                at += p.numel()
+                pad.append(0 if k == len(params) - 1 else (-at) % step)
+                at += pad[-1]
+            paddings.append(pad)
+            sizes.append(math.ceil(at / alignment) * alignment // world_size)
+        return cls(o, paddings, sizes, world_size)
+
+    def group_paddings(self, rank: int) -> list[int]:
+        """Each group's padding at the end of ``rank``'s partition (DeepSpeed's ``groups_padding``)."""
+        out = []
+        for params, pad, size in zip(self.groups, self.paddings, self.partition_sizes):
+            used = sum(p.numel() for p in params) + sum(pad)
+            out.append(min(size, max(0, (rank + 1) * size - used)))
+        return out
+
+    def linked(self, names: Mapping[Any, str], rank: int) -> list[list[tuple[str, int, int]]]:
+        """``(name, start, numel)`` of each param's piece in ``rank``'s partitions, where stock links it (its
+        ``_hp_mapping``), in the order the group lists its params.
 
         DeepSpeed links each param at its flat offset only where the group has
         alignment padding; otherwise at the running sum of the group's params
@@ -115,8 +160,20 @@ class _StockLayout:
                 offsets.append([at[id(p)] for p in given])
             else:
                 offsets.append(_offsets([p.numel() for p in given], [0] * len(given)))
-        mappings = slice_mappings(names, self.given, offsets, self.partition_sizes, rank)
-        return [sorted(group, key=lambda m: m[1]) for group in mappings]
+        return slice_mappings(names, self.given, offsets, self.partition_sizes, rank)
+
+    def saved_mappings(self, names: Mapping[Any, str], rank: int) -> list[list[tuple[str, int, int]]]:
+        """Stock's ``param_slice_mappings`` for this layout on ``rank``, in ``_saved_mappings``' order."""
+        return [sorted(group, key=lambda m: m[1]) for group in self.linked(names, rank)]
+
+    def param_shapes(self, names: Mapping[Any, str]) -> list[dict]:
+        """What stock saves as the model file's ``param_shapes``: each group's names and shapes in its flat order."""
+        return [OrderedDict((names[p], p.shape) for p in params) for params in self.groups]
+
+
+def stock_layout(o: Any, world_size: int) -> _StockLayout:
+    """Stock DeepSpeed's layout of this optimizer's unsplit param groups over ``world_size`` ranks."""
+    return _StockLayout.of_optimizer(o, world_size)
 
 
 def classify(o: Any, sd: Any, source: str) -> str:
@@ -172,7 +229,7 @@ def classify(o: Any, sd: Any, source: str) -> str:
             "model with MoE groups: convert it with deepspeed.checkpoint.ds_to_universal and load that with "
             "'checkpoint.load_universal'"
         )
-    layout = _StockLayout(o, sd, world_size)
+    layout = _StockLayout.of_shard(o, sd, world_size)
     if not layout.fits or saved != layout.saved_mappings(o.param_names, rank):
         raise _other_groups(sd.get(PARAM_ALIGNMENT_PADDINGS) or saved, current)
     if not isinstance(sd[BASE_OPTIMIZER_STATE], Mapping):
@@ -247,6 +304,17 @@ def _exchange(
     return new
 
 
+def _partitioned_keys(states: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> list[str]:
+    """The optimizer state keys holding one flat tensor of its group's partition size in every group (Adam's moments)."""
+    return sorted(
+        key for key in states[0]
+        if all(
+            torch.is_tensor(state.get(key)) and state[key].dim() == 1 and state[key].numel() == int(size)
+            for state, size in zip(states, sizes)
+        )
+    )  # fmt: skip
+
+
 def repartition(o: Any, sd: Mapping[str, Any]) -> dict:
     """This rank's shard in flatgrad's sub-groups, from its stock shard ``sd`` (``classify`` said ``STOCK``).
 
@@ -256,18 +324,11 @@ def repartition(o: Any, sd: Mapping[str, Any]) -> dict:
     the hyperparameters are copied from the group each sub-group was split from.
     """
     import deepspeed.comm as dist
-    from deepspeed.checkpoint.constants import (
-        BASE_OPTIMIZER_STATE,
-        GROUP_PADDINGS,
-        PARAM_ALIGNMENT_PADDINGS,
-        PARAM_SLICE_MAPPINGS,
-        PARTITION_COUNT,
-        SINGLE_PARTITION_OF_FP32_GROUPS,
-    )
+    from deepspeed.checkpoint import constants as keys
 
     group = o.dp_process_group
     rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
-    layout = _StockLayout(o, sd, world_size)
+    layout = _StockLayout.of_shard(o, sd, world_size)
     origins = o._flatgrad_origins[1]
     send, recv = _moves(o, layout, origins, rank, world_size)
     sizes = [int(size) for size in o.partition_size]
@@ -276,19 +337,13 @@ def repartition(o: Any, sd: Mapping[str, Any]) -> dict:
         t = t.detach().reshape(-1)
         return torch.cat([t, t.new_zeros(size - t.numel())]) if t.numel() < size else t
 
-    fp32 = [padded(t, size) for t, size in zip(sd[SINGLE_PARTITION_OF_FP32_GROUPS], layout.partition_sizes)]
+    fp32 = [padded(t, size) for t, size in zip(sd[keys.SINGLE_PARTITION_OF_FP32_GROUPS], layout.partition_sizes)]
     masters = _exchange(fp32, sizes, send, recv, group)
     del fp32
-    base = sd[BASE_OPTIMIZER_STATE]
+    base = sd[keys.BASE_OPTIMIZER_STATE]
     saved_groups = base["param_groups"]
     states = [base["state"].get(g["params"][0], {}) for g in saved_groups]
-    partitioned = sorted(
-        key for key in states[0]
-        if all(
-            torch.is_tensor(state.get(key)) and state[key].dim() == 1 and state[key].numel() == size
-            for state, size in zip(states, layout.partition_sizes)
-        )
-    )  # fmt: skip
+    partitioned = _partitioned_keys(states, layout.partition_sizes)
     new_states: list[dict] = [{} for _ in sizes]
     for key in partitioned:
         for s, t in enumerate(_exchange([state[key] for state in states], sizes, send, recv, group)):
@@ -297,14 +352,83 @@ def repartition(o: Any, sd: Mapping[str, Any]) -> dict:
         for key, value in states[g].items():
             if key not in partitioned:
                 new_states[s][key] = value.clone() if torch.is_tensor(value) else value
-    out = {k: v for k, v in sd.items() if k not in (BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS)}
-    out[BASE_OPTIMIZER_STATE] = {
+    out = {k: v for k, v in sd.items() if k not in (keys.BASE_OPTIMIZER_STATE, keys.SINGLE_PARTITION_OF_FP32_GROUPS)}
+    out[keys.BASE_OPTIMIZER_STATE] = {
         "state": {s: state for s, state in enumerate(new_states) if state},
         "param_groups": [{**saved_groups[g], "params": [s]} for s, g in enumerate(origins)],
     }
-    out[SINGLE_PARTITION_OF_FP32_GROUPS] = [t[: size - int(pad)] for t, size, pad in zip(masters, sizes, o.groups_padding)]
-    out[GROUP_PADDINGS] = list(o.groups_padding)
-    out[PARAM_ALIGNMENT_PADDINGS] = [list(pad) for pad in o.round_robin_bit16_padding]
-    out[PARTITION_COUNT] = list(o.partition_count)
-    out[PARAM_SLICE_MAPPINGS] = o._param_slice_mappings
+    out[keys.SINGLE_PARTITION_OF_FP32_GROUPS] = [
+        t[: size - int(pad)] for t, size, pad in zip(masters, sizes, o.groups_padding)
+    ]
+    out[keys.GROUP_PADDINGS] = list(o.groups_padding)
+    out[keys.PARAM_ALIGNMENT_PADDINGS] = [list(pad) for pad in o.round_robin_bit16_padding]
+    out[keys.PARTITION_COUNT] = list(o.partition_count)
+    out[keys.PARAM_SLICE_MAPPINGS] = o._param_slice_mappings
+    return out
+
+
+def to_stock(o: Any, sd: Mapping[str, Any]) -> dict:
+    """This rank's shard in stock's layout of the unsplit groups, from its shard ``sd`` in flatgrad's sub-groups.
+
+    Collective over the data-parallel group, the inverse of ``repartition``:
+    every piece of every sub-group partition goes back to the rank and offset
+    stock gives it, one ``all_to_all_single`` per state tensor. The result is
+    what stock DeepSpeed saves for the same fp32 masters and optimizer state,
+    so stock loads it, and so does flatgrad (as a stock shard).
+    """
+    import deepspeed.comm as dist
+    from deepspeed.checkpoint import constants as keys
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    group = o.dp_process_group
+    rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+    layout = stock_layout(o, world_size)
+    origins = o._flatgrad_origins[1]
+    unsplit = len(layout.groups)
+    recv, send = _moves(o, layout, origins, rank, world_size)  # the load's moves, run backwards
+    sizes = layout.partition_sizes
+    masters = _exchange([t.detach().reshape(-1) for t in o.single_partition_of_fp32_groups], sizes, send, recv, group)
+    base = sd[keys.BASE_OPTIMIZER_STATE]
+    groups = base["param_groups"]
+    states = [base["state"].get(g["params"][0], {}) for g in groups]
+    first = {g: origins.index(g) for g in range(unsplit) if g in origins}
+    partitioned = _partitioned_keys(states, o.partition_size)
+    moved = {key: _exchange([state[key] for state in states], sizes, send, recv, group) for key in partitioned}
+    new_states: list[dict] = [{} for _ in range(unsplit)]
+    new_groups = []
+    for g in range(unsplit):
+        s = first.get(g)
+        if s is None:
+            raise UnsupportedConfigError(
+                f"param group {g} has no trainable params with elements; stock's layout of it is empty"
+            )
+        hyper = {k: v for k, v in groups[s].items() if k != "params"}
+        for t, origin in enumerate(origins):
+            other = {k: v for k, v in groups[t].items() if k != "params"}
+            if origin == g and other != hyper:
+                key = next(k for k in sorted(set(hyper) | set(other), key=str) if hyper.get(k) != other.get(k))
+                raise UnsupportedConfigError(
+                    f"'flatgrad.checkpoint_layout': 'stock' needs the sub-groups of param group {g} to agree, and "
+                    f"sub-groups {s} and {t} differ in '{key}' ({hyper.get(key)!r} against {other.get(key)!r})"
+                )
+        new_groups.append({**hyper, "params": [g]})
+        for key, value in states[s].items():  # in the optimizer's own key order, as stock's shard has it
+            if key in moved:
+                new_states[g][key] = moved[key][g]
+            else:
+                new_states[g][key] = value.clone() if torch.is_tensor(value) else value
+    paddings = layout.group_paddings(rank)
+    out = {k: v for k, v in sd.items() if k not in (keys.BASE_OPTIMIZER_STATE, keys.SINGLE_PARTITION_OF_FP32_GROUPS)}
+    out[keys.BASE_OPTIMIZER_STATE] = {
+        "state": {g: state for g, state in enumerate(new_states) if state},
+        "param_groups": new_groups,
+    }
+    out[keys.SINGLE_PARTITION_OF_FP32_GROUPS] = [t[: size - pad] for t, size, pad in zip(masters, sizes, paddings)]
+    out[keys.GROUP_PADDINGS] = paddings
+    out[keys.PARAM_ALIGNMENT_PADDINGS] = layout.paddings
+    out[keys.PARTITION_COUNT] = [world_size] * unsplit
+    out[keys.PARAM_SLICE_MAPPINGS] = [
+        OrderedDict((name, fragment_address(numel=numel, start=start)) for name, start, numel in pieces)
+        for pieces in layout.linked(o.param_names, rank)
+    ]
     return out
