@@ -48,3 +48,30 @@ def test_the_kernel_extension_carries_no_counting_allocator():
 def test_a_missing_census_extension_is_named():
     message = compiled.missing_extension("flatgrad._census", ImportError("no module"))
     assert "flatgrad._census" in message and "flatgrad._C" not in message
+
+
+def _late_frees_rank(rank: int, world_size: int) -> list[int]:
+    """200 gloo all_reduces of a 7-element fp32 tensor, each released right after the call: the live bytes after
+    ``settle`` each time, relative to before the tensor was made."""
+    import torch.distributed as dist
+
+    after = []
+    with MemoryCensus("cpu") as census:
+        for _ in range(200):
+            base = census.now()[0]
+            t = torch.ones(7)
+            dist.all_reduce(t)
+            del t
+            after.append(census.settle() - base)
+    return after
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(bool(cpu_memory_available()), reason=cpu_memory_available() or "census available")
+def test_settle_waits_until_gloo_has_freed_a_finished_collectives_tensors():
+    """gloo's worker thread drops a finished collective's tensors shortly after the call returns; ``settle`` waits
+    for that, so a mark after it counts what the program holds: every tensor released is freed by then."""
+    from flatgrad.testing.launch import run_ranks
+
+    for after in run_ranks(_late_frees_rank, 2, timeout=100):
+        assert after == [0] * 200, [a for a in after if a]

@@ -619,6 +619,7 @@ def _memory_rank(rank, world_size, stage, dtype):
                 engine.step()
                 if reduction is not None:
                     alive.append(reduction.window.partitions is not None or reduction.reducers[0].has_shards())
+            census.settle()  # gloo's worker threads free the step's last collective tensors a little later
             census.mark("between steps", blocks=True)
             # What was made after the build and is still live between steps, besides the optimizer's state,
             # described while it is live: a failure of the bound below names it (flatgrad's tables, or else).
@@ -657,7 +658,10 @@ def test_memory_between_steps_and_peak_within_the_targets_of_stock(stage, dtype)
     own copy of the other ranks' chunks inside its reduce_scatter ((W-1)/W of a bucket, measured in
     bench/memory.py; NCCL's reduce_scatter allocates nothing), which stock's all_reduce does not make.
     A ``gc.collect()`` before each census: a flaky pass once hid the kept bytes behind stock's engine
-    freed inside flatgrad's census.
+    freed inside flatgrad's census. The between-steps mark settles first (``MemoryCensus.settle``): a gloo
+    collective returns before its worker thread drops the call's tensors, so a mark right after ``step()`` can
+    count the step's last all_reduce (flatgrad's 7-element fp32 step statistics, 28 B here; stock's norm, 4 B)
+    or all-gather for one run and not the other.
     """
     comm, world_size = (2 if dtype == "bf16" else 4), 2
     for rank, out in enumerate(launch(_memory_rank, world_size, stage, dtype, timeout=190)):

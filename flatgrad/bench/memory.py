@@ -116,6 +116,7 @@ def _rank(rank: int, world_size: int, job: dict) -> dict:
             engine.backward(loss)
             engine.step()
             del loss
+        census.settle()  # gloo's worker threads free the step's last collective tensors a little later
         census.mark("between steps")
         host = _host_bytes(engine.optimizer) if job.get("offload") else 0
     out = {
