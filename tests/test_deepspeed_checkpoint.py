@@ -15,8 +15,9 @@ from _ds import MLP, ds_config, launch, make_batches, params_of, train
 D_IN, D_OUT = 13, 5
 
 
-def _engine(kind: str, cfg: dict, groups: bool = False, seed: int = 0):
-    """An engine over a fresh ``MLP``; ``groups`` gives it a client AdamW with two param groups (no decay on biases)."""
+def _engine(kind: str, cfg: dict, groups: bool = False, seed: int = 0, scheduler: bool = False):
+    """An engine over a fresh ``MLP``; ``groups`` gives it a client AdamW with two param groups (no decay on biases,
+    and half the rate), ``scheduler`` a client torch ``LambdaLR`` (its lists have one entry per param group)."""
     import deepspeed
 
     import flatgrad.deepspeed as fds
@@ -27,10 +28,17 @@ def _engine(kind: str, cfg: dict, groups: bool = False, seed: int = 0):
     if groups:
         decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
         rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
-        client = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+        client = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-2)
+    schedule = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _decay)) if scheduler else None
     initialize = {"stock": deepspeed.initialize, "flatgrad": fds.initialize}[kind]
-    engine, *_ = initialize(model=model, model_parameters=list(model.parameters()), optimizer=client, config=cfg)
+    engine, *_ = initialize(
+        model=model, model_parameters=list(model.parameters()), optimizer=client, lr_scheduler=schedule, config=cfg
+    )
     return engine
+
+
+def _decay(step: int) -> float:
+    return 1.0 / (1.0 + step)
 
 
 def _masters(engine) -> list[torch.Tensor]:
@@ -175,6 +183,17 @@ def _bad_input_rank(rank, world_size, root):
     target.load_checkpoint(good, tag="t")  # the engine still loads a good checkpoint, and trains on
     out["good steps"] = target.global_steps
     out["trains"] = train(target, batches[2:])
+    stock_layout = _engine("flatgrad", {**cfg, "flatgrad": {"checkpoint_layout": "stock"}})
+    train(stock_layout, batches[:1])
+    stock_layout.optimizer.optimizer.param_groups[1]["lr"] = 0.5  # a sub-group's rate apart from its group's
+    try:
+        stock_layout.save_checkpoint(os.path.join(root, "disagree"), tag="t")
+        out["disagree"] = None
+    except fds.UnsupportedConfigError as exc:
+        out["disagree"] = str(exc)
+    folder = os.path.join(root, "disagree", "t")
+    out["disagree written"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    stock_layout.destroy()
     elastic = ds_config(2, world_size=world_size, bucket=500, elastic_checkpoint=True)
     try:
         _engine("flatgrad", {**elastic, "flatgrad": {"checkpoint_layout": "stock"}})
@@ -189,7 +208,8 @@ def test_bad_checkpoints_are_refused_on_every_rank_naming_the_file_and_nothing_i
     """Another world size, a truncated and a garbage rank-0 shard, a shard without a key, a ZeRO-3/MiCS shard and a
     pipeline engine's checkpoint: every rank raises (the bad shard is rank 0's), the message names the file or key,
     and the engine's fp32 masters, parameters and step count are unchanged. A stock-layout save is refused, naming
-    both keys, with ``elastic_checkpoint`` (another kind of shard).
+    both keys, with ``elastic_checkpoint`` (another kind of shard); a stock-layout save whose sub-groups of one
+    group disagree on a hyperparameter is refused naming it, before any file is written.
 
     DeepSpeed makes neither MiCS (ZeRO-3 over sub-groups of ranks) nor pipeline checkpoints of this model cheaply on
     CPU, so those two are hand-edited from a stock ZeRO-2 checkpoint: a shard with the ZeRO-3 keys (``zero_stage``
@@ -219,6 +239,8 @@ def test_bad_checkpoints_are_refused_on_every_rank_naming_the_file_and_nothing_i
         assert out["good steps"] == 2 and len(out["trains"]) == 2
         assert out["elastic"] is not None and "zero_optimization.elastic_checkpoint" in out["elastic"], out["elastic"]
         assert "flatgrad.checkpoint_layout" in out["elastic"], out["elastic"]
+        assert out["disagree"] is not None and "differ in 'lr'" in out["disagree"], out["disagree"]
+        assert out["disagree written"] == [], out["disagree written"]  # refused before anything is written
 
 
 def _differences(a, b, path="") -> list[str]:
@@ -240,7 +262,7 @@ def _differences(a, b, path="") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
-# Each cell: (stage, gas, bucket, client optimizer with two param groups, round_robin_gradients).
+# Each cell: (stage, gas, bucket, client optimizer with two param groups and a client LambdaLR, round_robin_gradients).
 ROUND_TRIP = [(2, 2, 500, False, False), (1, 1, 300, True, True)]
 SHARD_KEYS = (
     "single_partition_of_fp32_groups", "base_optimizer_state", "group_paddings", "param_alignment_paddings",
@@ -262,16 +284,17 @@ def _round_trip_rank(rank, world_size, root):
         batches = make_batches(rank, 12 * gas, 2, D_IN, D_OUT)
         a, b = 4 * gas, 8 * gas
         folder = {k: os.path.join(root, f"{c}_{k}") for k in ("stock_a", "stock_b", "flatgrad_b")}
-        engine = _engine("stock", cfg, groups)  # the uninterrupted stock run, saving on the way
+        engine = _engine("stock", cfg, groups, scheduler=groups)  # the uninterrupted stock run, saving on the way
         straight = train(engine, batches[:a])
         engine.save_checkpoint(folder["stock_a"], tag="t")
         straight += train(engine, batches[a:b])
         engine.save_checkpoint(folder["stock_b"], tag="t")
         straight += train(engine, batches[b:])
         straight_masters, straight_params = _masters(engine), params_of(engine)
+        straight_lrs = [g["lr"] for g in engine.optimizer.param_groups]
         engine.destroy()
         dist.barrier()
-        engine = _engine("flatgrad", to_stock, groups, seed=1)  # flatgrad on: resume stock's checkpoint
+        engine = _engine("flatgrad", to_stock, groups, seed=1, scheduler=groups)  # flatgrad on: resume stock's
         engine.load_checkpoint(folder["stock_a"], tag="t")
         under_flatgrad = train(engine, batches[a:b])
         engine.save_checkpoint(folder["flatgrad_b"], tag="t")  # in stock's layout
@@ -280,12 +303,14 @@ def _round_trip_rank(rank, world_size, root):
         dist.barrier()
         result = {"straight": straight, "under_flatgrad": under_flatgrad, "sub_groups": sub_groups}
         for kind in ("stock", "flatgrad"):  # flatgrad off again (stock resumes it), and flatgrad resumes it too
-            engine = _engine(kind, cfg if kind == "stock" else to_stock, groups, seed=2)
+            engine = _engine(kind, cfg if kind == "stock" else to_stock, groups, seed=2, scheduler=groups)
             engine.load_checkpoint(folder["flatgrad_b"], tag="t")
             result[kind] = (train(engine, batches[b:]), _masters(engine), params_of(engine))
+            result[kind + "_lrs"] = [g["lr"] for g in engine.optimizer.param_groups]
             result[kind + "_groups"] = len(engine.optimizer.bit16_groups)
             engine.destroy()
         result["straight_masters"], result["straight_params"] = straight_masters, straight_params
+        result["straight_lrs"] = straight_lrs
         saved = {
             k: torch.load(os.path.join(folder[k], "t", shard), weights_only=False)["optimizer_state_dict"]
             for k in ("stock_b", "flatgrad_b")
@@ -314,7 +339,8 @@ def test_stock_to_flatgrad_to_stock_round_trip_trains_bitwise_like_an_uninterrup
     an uninterrupted stock run's; flatgrad's shard is bitwise the shard stock saved at the same step (fp32 masters,
     optimizer state, paddings, slice mappings), the model file's ``param_shapes`` are stock's, and
     ``zero_to_fp32`` reads the same weights from both. flatgrad resumes its stock-layout checkpoint too. Cells: ZeRO-2
-    with GA 2 and AdamW from the config; ZeRO-1 with round-robin gradients and a client AdamW of two param groups."""
+    with GA 2 and AdamW from the config; ZeRO-1 with round-robin gradients, a client AdamW of two param groups of
+    different rates and a client LambdaLR, whose per-group lists cross between the groups and the sub-groups."""
     for rank, cells in enumerate(launch(_round_trip_rank, 2, str(tmp_path), timeout=380)):
         for cell, r in zip(ROUND_TRIP, cells):
             gas = cell[1]
@@ -323,6 +349,9 @@ def test_stock_to_flatgrad_to_stock_round_trip_trains_bitwise_like_an_uninterrup
             assert r["shard"] == [], (rank, cell, r["shard"])
             if rank == 0:
                 assert r["shapes"] == [] and r["fp32"] == [], (cell, r["shapes"], r["fp32"])
+            assert r["stock_lrs"] == r["straight_lrs"], (rank, cell, r["stock_lrs"], r["straight_lrs"])
+            origins = sorted(set(r["flatgrad_lrs"]))  # each unsplit group's rate, on every one of its sub-groups
+            assert origins == sorted(set(r["straight_lrs"])) and len(r["flatgrad_lrs"]) == r["sub_groups"], (rank, cell)
             for kind in ("stock", "flatgrad"):
                 losses, masters, params = r[kind]
                 assert losses == r["straight"][8 * gas :], (rank, cell, kind)

@@ -198,15 +198,19 @@ def test_trainer_with_the_qgz_key_under_zero3_bf16_runs_flatgrads_qgz(tmp_path):
         assert len(out["losses"]) == 2 and all(math.isfinite(loss) for loss in out["losses"]), out["losses"]
 
 
-# The guide's ZeRO-2 example without offload and in fp32, with torch's AdamW: the round trip is bitwise there.
+# The guide's ZeRO-2 example without offload and in fp32, with torch's AdamW: the round trip is bitwise there. Its
+# buckets are cut to 5000 elements so that flatgrad splits this small model into several sub-groups.
 HF_ZERO2_FP32 = {
     **{k: v for k, v in HF_ZERO2_OFFLOAD.items() if k not in ("fp16", "optimizer", "zero_optimization")},
     "optimizer": {"type": "AdamW", "params": {**HF_ZERO2_OFFLOAD["optimizer"]["params"], "torch_adam": True}},
-    "zero_optimization": {k: v for k, v in HF_ZERO2_OFFLOAD["zero_optimization"].items() if k != "offload_optimizer"},
+    "zero_optimization": {
+        **{k: v for k, v in HF_ZERO2_OFFLOAD["zero_optimization"].items() if k != "offload_optimizer"},
+        "reduce_bucket_size": 5000,
+    },
 }
 
 
-def _round_trip_rank(rank: int, world_size: int, root: str) -> dict:
+def _round_trip_rank(rank: int, world_size: int, root: str, scheduler: str) -> dict:
     import os
 
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -221,6 +225,8 @@ def _round_trip_rank(rank: int, world_size: int, root: str) -> dict:
         gen = torch.Generator().manual_seed(0)
         data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(128, (64, 16), generator=gen)]
         ds = copy.deepcopy(HF_ZERO2_FP32)
+        if scheduler == "trainer":  # no DeepSpeed scheduler: the Trainer builds its own torch LambdaLR on the engine
+            del ds["scheduler"]
         if kind == "flatgrad":
             ds["flatgrad"] = {"checkpoint_layout": "stock"}
             fds.patch()
@@ -228,6 +234,7 @@ def _round_trip_rank(rank: int, world_size: int, root: str) -> dict:
             output_dir=os.path.join(root, out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
             max_steps=9, learning_rate=1e-3, warmup_steps=2, max_grad_norm=1.0, logging_steps=1, save_strategy="steps",
             save_steps=3, report_to=[], use_cpu=True, seed=0, data_seed=0, deepspeed=ds, disable_tqdm=True,
+            lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-4},
         )  # fmt: skip
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train(resume_from_checkpoint=resume)
@@ -236,6 +243,9 @@ def _round_trip_rank(rank: int, world_size: int, root: str) -> dict:
         engine = trainer.model_wrapped
         return {
             "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+            "lrs": sorted({g["lr"] for g in engine.optimizer.param_groups}),
+            "groups": len(engine.optimizer.param_groups),
+            "scheduler": type(engine.lr_scheduler).__name__,
             "flatgrad": getattr(engine.optimizer, "flatgrad", None) is not None,
             "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
         }
@@ -251,13 +261,19 @@ def _round_trip_rank(rank: int, world_size: int, root: str) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_trainer_round_trip_stock_flatgrad_stock_trains_like_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("scheduler", ["deepspeed", "trainer"])
+def test_trainer_round_trip_stock_flatgrad_stock_trains_like_an_uninterrupted_run(tmp_path, scheduler):
     """Through the Trainer, fp32 ZeRO-2: stock trains 9 steps, saving every 3 (the uninterrupted run); flatgrad
     resumes its checkpoint-3 and saves with ``checkpoint_layout: stock``; stock resumes flatgrad's checkpoint-6. Every
     loss logged after a resume equals the uninterrupted run's at the same step, and the final weights are bitwise
-    equal; flatgrad's checkpoint-6 holds the same fp32 masters as stock's."""
-    for rank, out in enumerate(launch(_round_trip_rank, 2, str(tmp_path), timeout=580)):
+    equal; flatgrad's checkpoint-6 holds the same fp32 masters as stock's. The LR schedule is DeepSpeed's WarmupLR
+    (the config's), or the Trainer's own cosine schedule, a torch LambdaLR over the engine's param groups (each
+    sub-group under flatgrad) whose ``scheduler.pt`` the Trainer saves and loads itself."""
+    for rank, out in enumerate(launch(_round_trip_rank, 2, str(tmp_path), scheduler, timeout=580)):
         straight, on, off = out["straight"], out["on"], out["off"]
+        assert straight["scheduler"] == ("WarmupLR" if scheduler == "deepspeed" else "LambdaLR"), straight["scheduler"]
+        assert straight["groups"] == off["groups"] == 1 < on["groups"], (straight["groups"], on["groups"])
+        assert len(on["lrs"]) == 1 and on["lrs"] == straight["lrs"] == off["lrs"], (on["lrs"], straight["lrs"])
         assert on["flatgrad"] and not straight["flatgrad"] and not off["flatgrad"], "flatgrad on only in the middle run"
         for run in (straight, on, off):  # a resumed run's history carries the steps before it, from the checkpoint
             assert sorted(run["losses"]) == list(range(1, 10)), run["losses"]

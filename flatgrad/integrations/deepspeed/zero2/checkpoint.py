@@ -25,7 +25,17 @@ import torch
 
 from ..arenas import OptimizerArenas
 from ..config import UnsupportedConfigError
-from .stock_checkpoint import STOCK, CheckpointLoadError, classify, repartition, stock_layout, to_stock, world_size_error
+from .scheduler_state import SchedulerState
+from .stock_checkpoint import (
+    STOCK,
+    CheckpointLoadError,
+    classify,
+    repartition,
+    stock_layout,
+    to_stock,
+    unsplit_hyperparameters,
+    world_size_error,
+)
 
 __all__ = ["RESIDUALS_KEY", "CheckpointLoadError", "Zero2Checkpoints"]
 
@@ -78,19 +88,17 @@ class Zero2Checkpoints:
         if not any(t is not None for state in states for t in state["residuals"]):
             return
         if saved is not None and len(saved) == len(states) and all(
-            tuple(s.get("reduction", ())) == tuple(mine["reduction"]) for s, mine in zip(saved, states)
-        ):
-            for i, (r, s) in enumerate(zip(self.reducers, saved)):
-                try:
-                    r.load_state_dict(s)
-                except ValueError as exc:
-                    raise ValueError(f"flatgrad: the checkpoint's '{RESIDUALS_KEY}'[{i}] does not fit: {exc}") from exc
+            tuple(s.get("reduction", ())) == tuple(mine["reduction"]) and _residuals_fit(s, mine)
+            for s, mine in zip(saved, states)
+        ):  # checked in full first: by now stock's load has replaced the rest of the state
+            for r, s in zip(self.reducers, saved):
+                r.load_state_dict(s)
             return
         for state in states:
             for t in state["residuals"]:
                 if t is not None:
                     t.zero_()
-        why = "has none" if saved is None else "has them for another reduction or another bucket count"
+        why = "has none" if saved is None else "has them for another reduction or other buckets"
         warnings.warn(
             f"flatgrad: the {source} {why} ('{RESIDUALS_KEY}'); the error-feedback residuals restart at zero",
             stacklevel=3,
@@ -168,10 +176,16 @@ class Zero2Checkpoints:
     def attach(self, engine: Any) -> None:
         """Wrap ``engine.load_checkpoint``: every rank's optimizer shard is read and checked, and the ranks agree,
         before stock's load touches the engine; stock then loads the shard read here, not a second copy. With
-        ``layout`` stock, wrap ``engine.save_checkpoint`` too: see [Note: flatgrad checkpoints in stock's layout]."""
+        ``layout`` stock, wrap ``engine.save_checkpoint`` too: see [Note: flatgrad checkpoints in stock's layout].
+        The engine's LR scheduler loads a stock checkpoint's per-group lists into the sub-groups, and with ``layout``
+        stock saves them per unsplit group (``SchedulerState``)."""
         self._attach_load(engine)
         if self.layout == STOCK:
             self._attach_save(engine)
+        scheduler = getattr(engine, "lr_scheduler", None)
+        if callable(getattr(scheduler, "state_dict", None)) and callable(getattr(scheduler, "load_state_dict", None)):
+            unsplit, origins = self.optimizer._flatgrad_origins
+            SchedulerState(scheduler, origins, unsplit, collapse=self.layout == STOCK)
 
     def _attach_save(self, engine: Any) -> None:
         """``engine.save_checkpoint`` writes each rank's optimizer shard, and the model file's ``param_shapes``, in
@@ -184,15 +198,18 @@ class Zero2Checkpoints:
         o = self.optimizer
         if any(o.is_moe_group(g) for g in o.optimizer.param_groups):
             raise UnsupportedConfigError(
-                "'flatgrad.checkpoint_layout': 'stock' does not re-partition a model with MoE groups; save in "
-                "flatgrad's layout and convert with deepspeed.checkpoint.ds_to_universal"
+                "'flatgrad.checkpoint_layout': 'stock' does not re-partition a model with MoE param groups (groups "
+                "marked 'moe'); save in flatgrad's layout and convert with deepspeed.checkpoint.ds_to_universal"
             )
+        unsplit, origins = o._flatgrad_origins
+        unsplit_hyperparameters(o.optimizer.param_groups, origins, unsplit)  # an empty group: refused now
         stock = engine.save_checkpoint
 
         @functools.wraps(stock)
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
             import deepspeed.comm as dist
 
+            unsplit_hyperparameters(o.optimizer.param_groups, origins, unsplit)  # before anything is written
             shapes = stock_layout(o, dist.get_world_size(group=o.dp_process_group)).param_shapes(o.param_names)
             shadowed = engine.__dict__.get("_get_zero_param_shapes")
             engine._get_zero_param_shapes = lambda: shapes
@@ -342,6 +359,17 @@ class Zero2Checkpoints:
         if load_optimizer_states:
             self._restore_residuals(None if mine is None else mine.get(RESIDUALS_KEY), "checkpoint")
         return result
+
+
+def _residuals_fit(saved: Any, mine: dict) -> bool:
+    """Whether a reducer's saved residuals are, bucket by bucket, of the shapes and dtypes of this reducer's."""
+    theirs = saved.get("residuals") if isinstance(saved, dict) else None
+    if not isinstance(theirs, (list, tuple)) or len(theirs) != len(mine["residuals"]):
+        return False
+    return all(
+        (a is None) == (b is None) and (a is None or (torch.is_tensor(a) and a.shape == b.shape and a.dtype == b.dtype))
+        for a, b in zip(theirs, mine["residuals"])
+    )
 
 
 def _agree(group: Any, error: Exception | None, kind: str | None) -> None:

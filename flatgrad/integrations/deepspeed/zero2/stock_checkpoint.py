@@ -21,7 +21,7 @@ from ..config import UnsupportedConfigError
 
 __all__ = [
     "FLATGRAD", "STOCK", "CheckpointLoadError", "classify", "repartition", "slice_mappings", "stock_layout", "to_stock",
-    "world_size_error",
+    "unsplit_hyperparameters", "world_size_error",
 ]  # fmt: skip
 
 FLATGRAD, STOCK = "flatgrad", "stock"  # what ``classify`` finds a shard's layout to be
@@ -367,6 +367,30 @@ def repartition(o: Any, sd: Mapping[str, Any]) -> dict:
     return out
 
 
+def unsplit_hyperparameters(groups: Sequence[Mapping[str, Any]], origins: Sequence[int], unsplit: int) -> list[dict]:
+    """Each unsplit group's hyperparameters (every key but ``params``), from the sub-groups split from it, which must
+    agree; else refuse, naming the key. ``groups``: the sub-groups' param groups (live or saved)."""
+    out = []
+    for g in range(unsplit):
+        mine = [s for s, origin in enumerate(origins) if origin == g]
+        if not mine:
+            raise UnsupportedConfigError(
+                f"'flatgrad.checkpoint_layout': 'stock' found param group {g} without trainable params with elements; "
+                "stock's layout of it is empty"
+            )
+        hyper = {k: v for k, v in groups[mine[0]].items() if k != "params"}
+        for t in mine[1:]:
+            other = {k: v for k, v in groups[t].items() if k != "params"}
+            if other != hyper:
+                key = next(k for k in sorted(set(hyper) | set(other), key=str) if hyper.get(k) != other.get(k))
+                raise UnsupportedConfigError(
+                    f"'flatgrad.checkpoint_layout': 'stock' needs the sub-groups of param group {g} to agree, and "
+                    f"sub-groups {mine[0]} and {t} differ in '{key}' ({hyper.get(key)!r} against {other.get(key)!r})"
+                )
+        out.append(hyper)
+    return out
+
+
 def to_stock(o: Any, sd: Mapping[str, Any]) -> dict:
     """This rank's shard in stock's layout of the unsplit groups, from its shard ``sd`` in flatgrad's sub-groups.
 
@@ -395,23 +419,9 @@ def to_stock(o: Any, sd: Mapping[str, Any]) -> dict:
     partitioned = _partitioned_keys(states, o.partition_size)
     moved = {key: _exchange([state[key] for state in states], sizes, send, recv, group) for key in partitioned}
     new_states: list[dict] = [{} for _ in range(unsplit)]
-    new_groups = []
+    new_groups = [{**hyper, "params": [g]} for g, hyper in enumerate(unsplit_hyperparameters(groups, origins, unsplit))]
     for g in range(unsplit):
-        s = first.get(g)
-        if s is None:
-            raise UnsupportedConfigError(
-                f"param group {g} has no trainable params with elements; stock's layout of it is empty"
-            )
-        hyper = {k: v for k, v in groups[s].items() if k != "params"}
-        for t, origin in enumerate(origins):
-            other = {k: v for k, v in groups[t].items() if k != "params"}
-            if origin == g and other != hyper:
-                key = next(k for k in sorted(set(hyper) | set(other), key=str) if hyper.get(k) != other.get(k))
-                raise UnsupportedConfigError(
-                    f"'flatgrad.checkpoint_layout': 'stock' needs the sub-groups of param group {g} to agree, and "
-                    f"sub-groups {s} and {t} differ in '{key}' ({hyper.get(key)!r} against {other.get(key)!r})"
-                )
-        new_groups.append({**hyper, "params": [g]})
+        s = first[g]
         for key, value in states[s].items():  # in the optimizer's own key order, as stock's shard has it
             if key in moved:
                 new_states[g][key] = moved[key][g]
