@@ -526,6 +526,60 @@ def test_shard_arena_lays_the_shards_in_one_tensor_in_the_given_order():
             assert starts[b] == sum(numels[b + 1 :]), (starts, numels)
 
 
+def _move_shards_rank(rank: int, world_size: int) -> dict:
+    """``move_shards``: own and arena shards go to another device (``meta``, the one other device a CPU has), an
+    arena whole with its shards its slices there; moved home (here: already home) the values are kept and the
+    next window trains; targets refuse."""
+    out: dict = {}
+    for case in ("own", "arena"):
+        model = _IntNet()
+        buckets = build_buckets(model, 24)
+        reducer = BucketReducer(buckets, shard_arena=list(range(len(buckets))) if case == "arena" else None)
+        reducer.move_shards("meta")  # before any backward: nothing to move
+        for step in range(2):
+            model.loss(rank, step).backward()
+            reducer.finish()
+            before = [gs.shard.clone() for gs in reducer.grad_shards()]
+            reducer.move_shards("meta" if step == 0 else None)
+            moved = reducer.grad_shards()
+            arena = reducer.shard_arena
+            if step == 0:
+                one_arena = arena is None or all(
+                    gs.shard.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr() for gs in moved
+                )  # fmt: skip
+                out[case, "away"] = one_arena and all(gs.shard.device.type == "meta" for gs in moved) and (
+                    arena is None or arena.device.type == "meta"
+                )  # fmt: skip
+            else:
+                out[case, "home"] = all(torch.equal(a, gs.shard) for a, gs in zip(before, moved))
+            reducer.zero_grad()  # a fresh window after each: the next backward writes fresh shards
+        out[case, "trains"] = bool(before) and all(torch.isfinite(a).all().item() for a in before)
+        reducer.remove_hooks()
+    model = _IntNet()
+    buckets = build_buckets(model, 24)
+    reducer = BucketReducer(buckets)
+    targets = [torch.zeros(layout.shard_numel) for layout in reducer.layouts]
+    reducer.remove_hooks()
+    reducer = BucketReducer(buckets, shard_targets=targets)
+    model.loss(rank, 0).backward()
+    reducer.finish()
+    try:
+        reducer.move_shards("meta")
+        out["targets"] = None
+    except RuntimeError as exc:
+        out["targets"] = str(exc)
+    reducer.remove_hooks()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_move_shards_moves_own_and_arena_shards_and_refuses_targets():
+    for rank, out in enumerate(run_ranks(_move_shards_rank, 2, timeout=50)):
+        for case in ("own", "arena"):
+            assert out[case, "away"] and out[case, "home"] and out[case, "trains"], (rank, case, out)
+        assert out["targets"] is not None and "shard_targets" in out["targets"], out["targets"]
+
+
 def _targets_rank(rank: int, world_size: int) -> dict:
     """``shard_targets``: in place (fp32 targets, fp32 accumulation) and delivered (bf16 accumulation, fp32
     targets), against the same run with the reducer's own shards; two windows, two micro-steps each."""

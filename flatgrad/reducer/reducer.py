@@ -393,6 +393,23 @@ class BucketReducer:
             raise RuntimeError("zero_grad() in the middle of a micro-step: call finish() first")
         self._shards.release(self._buckets)
 
+    def move_shards(self, device: torch.device | str | None = None, non_blocking: bool = False) -> None:
+        """Put this window's shards on ``device`` (values kept, their old memory freed); ``None``: back on the
+        buckets' own devices.
+
+        For an owner that parks the reduced gradients between backward and step
+        (DeepSpeed's ``offload_states``): the shards must be back home before the
+        next micro-step or read. No shards: nothing moves.
+        """
+        if self._in_step:
+            raise RuntimeError("move_shards() in the middle of a micro-step: call finish() first")
+        devices = {b.device for b in self._buckets}
+        if device is None and len(devices) > 1:
+            raise RuntimeError(f"move_shards() home is one device, this reducer's buckets are on {sorted(map(str, devices))}")
+        home = next(iter(devices)) if device is None and devices else device
+        if home is not None:
+            self._shards.move(self._buckets, torch.device(home), non_blocking)
+
     def grad_shards(self) -> list[GradShard]:
         """Every bucket's shard with its layout, params and pieces (valid after ``finish()``, until ``zero_grad()``)."""
         if self._in_step or any(b.shard is None for b in self._buckets):

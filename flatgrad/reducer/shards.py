@@ -53,6 +53,12 @@ class ShardStore(abc.ABC):
         """Bytes this store allocates for one window's shards."""
         return sum(b.layout.shard_numel for b in buckets) * itemsize
 
+    def move(self, buckets: Sequence[Bucket], device: torch.device, non_blocking: bool = False) -> None:
+        """Put this window's shards on ``device``, values kept, the old memory freed (each shard on its own)."""
+        for b in buckets:
+            if b.shard is not None:
+                b.shard = b.shard.to(device, non_blocking=non_blocking)
+
 
 class OwnShards(ShardStore):
     """Each shard allocated on its own as its bucket is first launched in a window."""
@@ -81,6 +87,14 @@ class ArenaShards(ShardStore):
         for bb, offset in zip(buckets, self.offsets):
             bb.shard = self.arena.narrow(0, offset, bb.layout.shard_numel)
             bb.accumulate = False
+
+    def move(self, buckets, device, non_blocking=False) -> None:
+        """The arena moves whole, in one copy, and the shards are its slices again."""
+        if self.arena is None:
+            return
+        self.arena = self.arena.to(device, non_blocking=non_blocking)
+        for b, offset in zip(buckets, self.offsets):
+            b.shard = self.arena.narrow(0, offset, b.layout.shard_numel)
 
 
 class TargetShards(ShardStore):
@@ -171,6 +185,12 @@ class TargetShards(ShardStore):
 
     def allocated_bytes(self, buckets, itemsize) -> int:
         return sum(b.layout.shard_numel for b, here in zip(buckets, self.in_place) if not here) * itemsize
+
+    def move(self, buckets, device, non_blocking=False) -> None:
+        raise RuntimeError(
+            "the shards of a reducer made with shard_targets are the owner's own tensors (or become them at "
+            "delivery): the owner places its targets, move_shards() does not"
+        )
 
 
 def widen_in_place(target: torch.Tensor, dtype: torch.dtype) -> None:
