@@ -31,6 +31,7 @@ from .checkpoint import Zero2Checkpoints
 from .context import Zero2Context
 from .partitions import agree_on_setup, arena_positions, host_gradient, verify_layout
 from .seams import Zero2Seams
+from .state_offload import Zero2StateOffload
 from .stats import Zero2StepStats
 from .step import Zero2Step
 from .window import Zero2Window
@@ -80,6 +81,7 @@ class Zero2Reduction:
         stepper: the merged step (``Zero2Step``).
         stats: the step's norm and overflow check (``Zero2StepStats``).
         checkpoints: the checkpoint saver and loaders (``Zero2Checkpoints``).
+        state_offload: ``offload_states`` and ``reload_states`` (``Zero2StateOffload``).
         reductions: backwards reduced so far.
     """
 
@@ -117,6 +119,9 @@ class Zero2Reduction:
             o, self.reducers, self.arenas, seams.stock.state_dict, seams.stock._load_legacy_checkpoint,
             layout=config.checkpoint_layout,
         )
+        self.state_offload = Zero2StateOffload(
+            self.context, self.window, seams.stock.offload_states, seams.stock.reload_states
+        )
         self.reductions = 0
 
     def bind(self) -> None:
@@ -134,6 +139,8 @@ class Zero2Reduction:
                 "scaled_global_norm": self.stats.scaled_global_norm,
                 "has_overflow": self.stats.has_overflow,
                 "update_offload_overflow_tracker": self.stats.grad_edited,
+                "offload_states": self.state_offload.offload_states,
+                "reload_states": self.state_offload.reload_states,
             },
             adapter=self,
         )

@@ -33,11 +33,17 @@ SEAMS = (
     "params_in_partition",
     "first_offset",
     "partition_size",
+    "offload_states",
+    "reload_states",
+    "offloaded_states",
 )
 
 
 # The stock methods flatgrad's replacements wrap or fall back on.
-_KEPT = ("step", "state_dict", "_load_legacy_checkpoint", "has_overflow", "update_offload_overflow_tracker")
+_KEPT = (
+    "step", "state_dict", "_load_legacy_checkpoint", "has_overflow", "update_offload_overflow_tracker",
+    "offload_states", "reload_states",
+)  # fmt: skip
 
 
 class Zero2Seams:
@@ -47,8 +53,9 @@ class Zero2Seams:
     Raises ``UnsupportedConfigError`` unless ``optimizer`` is DeepSpeed's ZeRO-1/2 optimizer with every seam.
 
     Attributes:
-        stock: DeepSpeed's ``step``, ``state_dict``, ``_load_legacy_checkpoint``, ``has_overflow`` and
-            ``update_offload_overflow_tracker``, as they were before ``bind``.
+        stock: DeepSpeed's ``step``, ``state_dict``, ``_load_legacy_checkpoint``, ``has_overflow``,
+            ``update_offload_overflow_tracker``, ``offload_states`` and ``reload_states``, as they were before
+            ``bind``.
     """
 
     def __init__(self, optimizer: Any):

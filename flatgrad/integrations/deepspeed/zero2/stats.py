@@ -189,7 +189,7 @@ class Zero2StepStats:
         o = self.context.optimizer
         groups = []
         for i in range(len(o.bit16_groups)):
-            grads = (g for g in o.averaged_gradients[i] if not getattr(g, "_zero_padding", False))
+            grads = (g for g in self.window.partitions[i] if not getattr(g, "_zero_padding", False))
             groups.append([
                 g for g, p in zip(grads, o.params_in_partition[i])
                 if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)

@@ -160,7 +160,7 @@ class Zero2Step:
         grads = []
         for i in range(len(o.bit16_groups)):
             o.free_grad_in_param_list(o.params_not_in_partition[i])
-            grad = o._get_preflattened_grad_partition(i).to(o.single_partition_of_fp32_groups[i].dtype)
+            grad = self.window.partitions[i].flat_partition.view(-1).to(o.single_partition_of_fp32_groups[i].dtype)
             if grad.numel() != o.partition_size[i]:
                 raise RuntimeError(
                     f"flatgrad: sub-group {i}'s partition has {grad.numel()} elements, not {o.partition_size[i]}"

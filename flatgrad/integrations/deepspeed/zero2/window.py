@@ -14,8 +14,8 @@ __all__ = ["Zero2Window"]
 
 
 class Zero2Window:
-    """One window's partitions, handed to DeepSpeed as ``averaged_gradients`` at the boundary and released after the
-    step.
+    """One window's partitions, handed to DeepSpeed as ``averaged_gradients`` at the boundary (under CPU offload as
+    the host gradients alone, as stock hands them) and released after the step.
 
     The per-piece views ``step()`` and the norm read are rebuilt per window from a
     plan made once. See [Note: ZeRO-2 memory] and [Note: ZeRO-2 seams].
@@ -56,21 +56,33 @@ class Zero2Window:
         self.is_open = True
 
     def hand_over(self) -> None:
-        """Give DeepSpeed every sub-group's partition as ``averaged_gradients[i]``: see [Note: ZeRO-2 seams]."""
+        """Give DeepSpeed every sub-group's partition as ``averaged_gradients[i]`` (under CPU offload, the host
+        gradients): see [Note: ZeRO-2 seams]."""
         c = self.context
         if c.offload:
             self._deliver_to_host()
         if self.partitions is None:
-            shards = {id(r): [gs.shard for gs in r.grad_shards()] for r in c.reducers}
-            self.partitions = []
-            for i, plan in enumerate(self._view_plans):
-                reducer, b = c.slots[i]
-                shard = shards[id(reducer)][b]
-                self.partitions.append(self._buffer_group(partition_views(shard, plan), shard))
-        for i, partition in enumerate(self.partitions):
-            c.optimizer.averaged_gradients[i] = partition
+            self._view_shards()
         self.step_stats.forget()  # this hand-over's stats are reduced when step() first asks
         self.is_open = False
+
+    def _view_shards(self) -> None:
+        """The hand-over's partitions: views of the reducers' shards as step() expects, in ``averaged_gradients``."""
+        c = self.context
+        shards = {id(r): [gs.shard for gs in r.grad_shards()] for r in c.reducers}
+        self.partitions = []
+        for i, plan in enumerate(self._view_plans):
+            reducer, b = c.slots[i]
+            shard = shards[id(reducer)][b]
+            self.partitions.append(self._buffer_group(partition_views(shard, plan), shard))
+        if not c.offload:  # under CPU offload stock leaves them empty: its step reads the host gradients
+            for i, partition in enumerate(self.partitions):
+                c.optimizer.averaged_gradients[i] = partition
+
+    def view_moved_shards(self) -> None:
+        """The reducers' shards moved (``offload_states``): a hand-over views them where they are now."""
+        if self.handed_over():
+            self._view_shards()
 
     def _deliver_to_host(self) -> None:
         """Offload: every partition in its host gradient, and every host gradient the optimizer's again.
@@ -86,9 +98,10 @@ class Zero2Window:
                 master.grad = target
 
     def handed_over(self) -> bool:
-        """Whether DeepSpeed's ``averaged_gradients`` still hold this window's partitions, every one."""
-        if self.partitions is None:
-            return False
+        """Whether DeepSpeed's ``averaged_gradients`` still hold this window's partitions, every one (under CPU
+        offload, where they are not published there: whether the window has them)."""
+        if self.partitions is None or self.context.offload:
+            return self.partitions is not None
         held = map(self.context.optimizer.averaged_gradients.get, range(len(self.partitions)))
         return all(map(operator.is_, held, self.partitions))
 
