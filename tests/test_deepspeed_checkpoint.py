@@ -115,6 +115,8 @@ def _save_one_rank_rank(rank, world_size, root):
 def _bad_input_rank(rank, world_size, root):
     import deepspeed.comm as dist
 
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
     import flatgrad.deepspeed as fds
     from flatgrad.integrations.deepspeed.zero2.checkpoint import CheckpointLoadError
 
@@ -177,6 +179,7 @@ def _bad_input_rank(rank, world_size, root):
             out[name] = None
         except (fds.UnsupportedConfigError, CheckpointLoadError) as exc:
             out[name] = (type(exc).__name__, str(exc))
+            out[name + " is stock's"] = isinstance(exc, ZeRORuntimeException)
         unchanged = all(torch.equal(a, b) for a, b in zip(_masters(target), masters))
         unchanged = unchanged and all(torch.equal(p, params[n]) for n, p in params_of(target).items())
         out[name + " unchanged"] = unchanged and target.global_steps == steps
@@ -207,7 +210,8 @@ def _bad_input_rank(rank, world_size, root):
 def test_bad_checkpoints_are_refused_on_every_rank_naming_the_file_and_nothing_is_loaded(tmp_path):
     """Another world size, a truncated and a garbage rank-0 shard, a shard without a key, a ZeRO-3/MiCS shard and a
     pipeline engine's checkpoint: every rank raises (the bad shard is rank 0's), the message names the file or key,
-    and the engine's fp32 masters, parameters and step count are unchanged. A stock-layout save is refused, naming
+    and the engine's fp32 masters, parameters and step count are unchanged. Another world size raises DeepSpeed's
+    own ``ZeRORuntimeException`` too, as stock does for it. A stock-layout save is refused, naming
     both keys, with ``elastic_checkpoint`` (another kind of shard); a stock-layout save whose sub-groups of one
     group disagree on a hyperparameter is refused naming it, before any file is written.
 
@@ -222,7 +226,9 @@ def test_bad_checkpoints_are_refused_on_every_rank_naming_the_file_and_nothing_i
             assert out[name] is not None, (rank, name)
             assert out[name + " unchanged"], (rank, name)
         kind, message = out["world size"]
-        assert kind == "UnsupportedConfigError", out["world size"]
+        assert kind == "CheckpointWorldSizeError", out["world size"]
+        assert out["world size is stock's"], "not the ZeRORuntimeException stock raises for another DP world size"
+        assert not out["truncated is stock's"]
         assert "saved by 1 data-parallel rank(s), this run has 2" in message, message
         assert "ds_to_universal" in message and "checkpoint.load_universal" in message, message
         for name in ("truncated", "garbage"):

@@ -35,6 +35,7 @@ from .stock_checkpoint import (
     to_stock,
     unsplit_hyperparameters,
     world_size_error,
+    world_size_error_type,
 )
 
 __all__ = ["RESIDUALS_KEY", "CheckpointLoadError", "Zero2Checkpoints"]
@@ -389,7 +390,8 @@ def _agree(group: Any, error: Exception | None, kind: str | None) -> None:
     failed = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
     if failed:
         r, (cls, message) = failed[0]
-        kind_of = UnsupportedConfigError if cls == UnsupportedConfigError.__name__ else CheckpointLoadError
+        kinds_of = (world_size_error_type(), UnsupportedConfigError, CheckpointLoadError)
+        kind_of = next((k for k in kinds_of if k.__name__ == cls), CheckpointLoadError)
         raise kind_of(f"rank {r}: {message} (this is rank {dist.get_rank(group=group)})")
     kinds = sorted({k for k, _ in everyone})
     if len(kinds) > 1:

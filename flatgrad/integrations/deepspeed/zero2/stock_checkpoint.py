@@ -10,6 +10,7 @@ checkpoints under flatgrad] in docs/design.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,7 @@ from ..config import UnsupportedConfigError
 
 __all__ = [
     "FLATGRAD", "STOCK", "CheckpointLoadError", "classify", "repartition", "slice_mappings", "stock_layout", "to_stock",
-    "unsplit_hyperparameters", "world_size_error",
+    "unsplit_hyperparameters", "world_size_error", "world_size_error_type",
 ]  # fmt: skip
 
 FLATGRAD, STOCK = "flatgrad", "stock"  # what ``classify`` finds a shard's layout to be
@@ -31,9 +32,22 @@ class CheckpointLoadError(RuntimeError):
     """A checkpoint file that cannot be read, or is not a ZeRO-1/2 optimizer shard; the message names the file or key."""
 
 
+@functools.cache
+def world_size_error_type() -> type[UnsupportedConfigError]:
+    """The refusal of a checkpoint of another data-parallel world size: an ``UnsupportedConfigError`` that is also
+    DeepSpeed's ``ZeRORuntimeException``, which stock raises for the same checkpoint, so that code catching stock's
+    refusal catches flatgrad's (made on first use: DeepSpeed is imported only where it runs)."""
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    return type(
+        "CheckpointWorldSizeError", (UnsupportedConfigError, ZeRORuntimeException),
+        {"__module__": __name__, "__doc__": "A ZeRO checkpoint saved by another data-parallel world size."},
+    )  # fmt: skip
+
+
 def world_size_error(source: str, saved: int, current: int) -> UnsupportedConfigError:
     """The refusal of a checkpoint of another data-parallel world size, naming both and the universal path."""
-    return UnsupportedConfigError(
+    return world_size_error_type()(
         f"{source} was saved by {saved} data-parallel rank(s), this run has {current}: ZeRO partitions do not move "
         "between world sizes. Convert the checkpoint with deepspeed.checkpoint.ds_to_universal and load the result "
         "with 'checkpoint.load_universal': true"
